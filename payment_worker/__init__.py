@@ -1,0 +1,21 @@
+"""payment-worker: batch payouts, one account at a time, never twice, never lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["app", "submit_batch"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # lazy, so that ``import payment_worker`` starts nothing and stays cheap
+    if name in ("app", "celery"):
+        from payment_worker.celery_app import app
+
+        return app
+    if name == "submit_batch":
+        from payment_worker.producer import submit_batch
+
+        return submit_batch
+    raise AttributeError(name)

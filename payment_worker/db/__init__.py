@@ -1,0 +1,1 @@
+"""The repository layer: tables, engine and every SQL statement of the service."""

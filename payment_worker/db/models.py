@@ -1,0 +1,139 @@
+"""Table definitions (SQLAlchemy Core). The schema itself is created by the alembic migrations."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+TX_STATUSES = ("pending", "dispatching", "retryable", "unknown", "succeeded", "failed", "dead")
+TERMINAL_TX_STATUSES = ("succeeded", "failed", "dead")
+BATCH_STATUSES = ("pending", "processing", "completed")
+
+metadata = MetaData()
+
+
+def _in(col: str, values: tuple[str, ...]) -> str:
+    return f"{col} IN (" + ", ".join(f"'{v}'" for v in values) + ")"
+
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("batch_id", Text, nullable=False, unique=True),
+    Column("account_id", Text, nullable=False),
+    Column("fingerprint", Text, nullable=False),
+    Column("status", String(16), nullable=False, server_default="pending"),
+    Column("item_count", Integer, nullable=False),
+    Column("succeeded_count", Integer, nullable=False, server_default="0"),
+    Column("failed_count", Integer, nullable=False, server_default="0"),
+    Column("dead_count", Integer, nullable=False, server_default="0"),
+    Column("enqueue_count", Integer, nullable=False, server_default="0"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("completed_at", DateTime(timezone=True)),
+    CheckConstraint(_in("status", BATCH_STATUSES), name="batches_status_check"),
+    CheckConstraint("item_count > 0", name="batches_item_count_check"),
+)
+Index("batches_open_idx", batches.c.account_id, batches.c.id,
+      postgresql_where=text("status <> 'completed'"))
+
+transactions = Table(
+    "transactions",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("batch_pk", BigInteger, ForeignKey("batches.id", ondelete="RESTRICT"), nullable=False),
+    Column("account_id", Text, nullable=False),
+    Column("transaction_id", Text, nullable=False),
+    Column("amount", BigInteger, nullable=False),
+    Column("currency", String(3), nullable=False),
+    Column("beneficiary", JSONB, nullable=False),
+    Column("description", Text),
+    Column("idempotency_key", Text, nullable=False, unique=True),
+    Column("status", String(16), nullable=False, server_default="pending"),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("lookups", Integer, nullable=False, server_default="0"),
+    Column("next_attempt_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("gateway_payment_id", Text),
+    Column("last_error_class", Text),
+    Column("last_error", Text),
+    Column("fence_token", BigInteger, nullable=False, server_default="0"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("account_id", "transaction_id", name="transactions_account_tx_key"),
+    CheckConstraint("amount > 0", name="transactions_amount_check"),
+    CheckConstraint(_in("status", TX_STATUSES), name="transactions_status_check"),
+)
+Index("transactions_batch_idx", transactions.c.batch_pk, transactions.c.id)
+# the worker's and the sweeper's queries: open items by due time, and by account
+Index("transactions_open_due_idx", transactions.c.status, transactions.c.next_attempt_at,
+      postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"))
+Index("transactions_open_account_idx", transactions.c.account_id, transactions.c.status,
+      postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"))
+
+idempotency_keys = Table(
+    "idempotency_keys",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("transaction_pk", BigInteger, ForeignKey("transactions.id", ondelete="CASCADE"),
+           nullable=False, unique=True),
+    Column("request_fingerprint", Text, nullable=False),
+    Column("status", String(16), nullable=False, server_default="new"),
+    Column("result_ref", Text),
+    Column("fence_token", BigInteger, nullable=False, server_default="0"),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint(
+        _in("status", ("new", "sent", "applied", "declined", "rejected", "not_applied")),
+        name="idempotency_keys_status_check",
+    ),
+)
+
+account_fences = Table(
+    "account_fences",
+    metadata,
+    Column("account_id", Text, primary_key=True),
+    Column("fence_token", BigInteger, nullable=False, server_default="0"),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("fence_token >= 0", name="account_fences_token_check"),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("transaction_pk", BigInteger, ForeignKey("transactions.id", ondelete="RESTRICT")),
+    Column("batch_pk", BigInteger, ForeignKey("batches.id", ondelete="RESTRICT")),
+    Column("reason", Text, nullable=False),
+    Column("error_class", Text),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("replay_count", Integer, nullable=False, server_default="0"),
+    Column("replayed_at", DateTime(timezone=True)),
+    Column("resolved_at", DateTime(timezone=True)),
+    Column("resolved_by", Text),
+    Column("resolution_note", Text),
+    CheckConstraint("transaction_pk IS NOT NULL OR batch_pk IS NOT NULL",
+                    name="dead_letters_ref_check"),
+)
+# at most one open dead letter per transaction
+Index("dead_letters_open_tx_idx", dead_letters.c.transaction_pk, unique=True,
+      postgresql_where=text("resolved_at IS NULL AND transaction_pk IS NOT NULL"))
+Index("dead_letters_created_idx", dead_letters.c.created_at)

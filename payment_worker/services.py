@@ -1,0 +1,58 @@
+"""Where the service's PostgreSQL, Redis and broker are: the settings' URLs, or the embedded servers.
+
+With ``DATABASE_URL`` / ``REDIS_URL`` set, the embedded servers are never started.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from payment_worker.settings import Settings, get_settings
+
+
+def _settings(settings: Settings | None) -> Settings:
+    return settings if settings is not None else get_settings()
+
+
+@functools.lru_cache(maxsize=8)
+def _embedded_pg(home: str) -> str:
+    from payment_worker import embedded
+
+    from pathlib import Path
+
+    return embedded.postgres_url(Path(home))
+
+
+@functools.lru_cache(maxsize=8)
+def _embedded_redis(home: str) -> str:
+    from payment_worker import embedded
+
+    from pathlib import Path
+
+    return embedded.redis_url(Path(home))
+
+
+def database_url(settings: Settings | None = None) -> str:
+    """A libpq-style URL (``postgresql://``) of the service's database."""
+    s = _settings(settings)
+    url = s.database_url or _embedded_pg(str(s.home))
+    return url.replace("postgresql+psycopg://", "postgresql://", 1).replace(
+        "postgres://", "postgresql://", 1
+    )
+
+
+def sqlalchemy_url(settings: Settings | None = None) -> str:
+    """The database URL in SQLAlchemy form (psycopg 3 driver)."""
+    return database_url(settings).replace("postgresql://", "postgresql+psycopg://", 1)
+
+
+def redis_url(settings: Settings | None = None) -> str:
+    """URL of the Redis that holds locks, tokens, pacing and dedup keys."""
+    s = _settings(settings)
+    return s.redis_url or _embedded_redis(str(s.home))
+
+
+def broker_url(settings: Settings | None = None) -> str:
+    """The Celery broker URL; defaults to ``REDIS_URL``."""
+    s = _settings(settings)
+    return s.celery_broker_url or redis_url(s)

@@ -1,0 +1,159 @@
+"""Every knob of the service, read from environment variables (pydantic-settings).
+
+The configuration reference is docs/configuration.md; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_PG_SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
+_REDIS_SCHEMES = {"redis", "rediss", "unix"}
+
+
+def _check_url(value: str | None, schemes: set[str], what: str) -> str | None:
+    if value is None or value == "":
+        return None
+    parts = urlsplit(value)
+    if parts.scheme not in schemes:
+        raise ValueError(f"expected a {what} URL ({', '.join(sorted(schemes))}), got {value!r}")
+    if parts.scheme != "unix" and not (parts.hostname or "host=" in parts.query):
+        raise ValueError(f"{what} URL {value!r} names no host")
+    try:
+        _ = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{what} URL {value!r} has a bad port") from exc
+    return value
+
+
+class Settings(BaseSettings):
+    """Service settings; field names are the environment variables, upper-cased."""
+
+    model_config = SettingsConfigDict(extra="ignore", case_sensitive=False)
+
+    # --- services -------------------------------------------------------------------------
+    database_url: str | None = None
+    redis_url: str | None = None
+    celery_broker_url: str | None = None
+    payment_worker_home: Path = Path("./.payment-worker")
+    redis_key_prefix: str = "pw"
+
+    # --- gateway --------------------------------------------------------------------------
+    gateway_url: str = "http://127.0.0.1:8700"
+    gateway_client_secret: SecretStr = SecretStr("sim-secret")
+    gateway_connect_timeout: float = Field(2.0, gt=0)
+    gateway_read_timeout: float = Field(5.0, gt=0)
+    gateway_pool_size: int = Field(20, ge=1)
+    # per-account request quota, requests/s; overrides: JSON object {"acct-1": 5}
+    gateway_rate_per_second: float = Field(20.0, gt=0)
+    gateway_rate_overrides: dict[str, float] = Field(default_factory=dict)
+    # refresh a token when less than this share of its lifetime is left (plus jitter)
+    gateway_token_refresh_fraction: float = Field(0.2, gt=0, lt=1)
+
+    # --- account lock and fencing ---------------------------------------------------------
+    lock_ttl_ms: int = Field(30_000, gt=0)
+    lock_safety_margin_ms: int = Field(1_000, ge=0)
+    lock_wait_timeout: float = Field(0.0, ge=0)
+
+    # --- retries, lookups, dead letters ---------------------------------------------------
+    retry_max_attempts: int = Field(8, ge=1)
+    retry_base_delay: float = Field(1.0, gt=0)
+    retry_max_delay: float = Field(300.0, gt=0)
+    lookup_max_attempts: int = Field(6, ge=1)
+
+    # --- celery -------------------------------------------------------------------------
+    visibility_timeout: int = Field(3600, gt=0)
+    task_soft_time_limit: int = Field(1500, gt=0)
+    task_time_limit: int = Field(1800, gt=0)
+    sweeper_interval: float = Field(5.0, gt=0)
+    sweeper_stale_after: float = Field(30.0, gt=0)
+
+    # --- producer -------------------------------------------------------------------------
+    dedup_window_seconds: int = Field(60, gt=0)
+    max_items_per_batch: int = Field(10_000, ge=1)
+    max_amount: int = Field(10**15, gt=0)
+
+    # --- observability --------------------------------------------------------------------
+    metrics_port: int = Field(9808, ge=0, le=65535)
+    exporter_port: int = Field(9809, ge=0, le=65535)
+    log_level: str = "INFO"
+    log_json: bool = False
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, v: str | None) -> str | None:
+        return _check_url(v, _PG_SCHEMES, "PostgreSQL")
+
+    @field_validator("redis_url", "celery_broker_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        return _check_url(v, _REDIS_SCHEMES, "Redis")
+
+    @field_validator("gateway_url")
+    @classmethod
+    def _gateway_url(cls, v: str) -> str:
+        checked = _check_url(v, {"http", "https"}, "HTTP")
+        if checked is None:
+            raise ValueError("must not be empty")
+        return checked.rstrip("/")
+
+    @field_validator("gateway_rate_overrides", mode="before")
+    @classmethod
+    def _overrides(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return json.loads(v) if v.strip() else {}
+        return v
+
+    @model_validator(mode="after")
+    def _limits(self) -> Settings:
+        if self.task_time_limit >= self.visibility_timeout:
+            raise ValueError("TASK_TIME_LIMIT must be below VISIBILITY_TIMEOUT")
+        if self.task_soft_time_limit >= self.task_time_limit:
+            raise ValueError("TASK_SOFT_TIME_LIMIT must be below TASK_TIME_LIMIT")
+        if self.retry_max_delay >= self.visibility_timeout:
+            raise ValueError("RETRY_MAX_DELAY must be below VISIBILITY_TIMEOUT")
+        if self.lock_safety_margin_ms >= self.lock_ttl_ms:
+            raise ValueError("LOCK_SAFETY_MARGIN_MS must be below LOCK_TTL_MS")
+        return self
+
+    @property
+    def home(self) -> Path:
+        """The data folder of the embedded servers and local state, made absolute."""
+        return self.payment_worker_home.expanduser().resolve()
+
+    def rate_for(self, account_id: str) -> float:
+        """Request quota (per second) of one account."""
+        return self.gateway_rate_overrides.get(account_id, self.gateway_rate_per_second)
+
+
+class SettingsError(SystemExit):
+    """A bad setting: one line naming the variable, exit code 2."""
+
+
+def describe_error(exc: ValidationError) -> str:
+    """One line naming the offending environment variable(s)."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "settings"
+        name = loc.upper() if err["loc"] else "settings"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{name}: {msg}")
+    return "invalid setting " + "; ".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings; exits with code 2 and one clear line when a value is bad."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        print(f"payment-worker: {describe_error(exc)}", file=sys.stderr)
+        raise SettingsError(2) from None

@@ -1,0 +1,173 @@
+"""Test fixtures shared by every tier.
+
+Integration tests talk to a real PostgreSQL and a real Redis: the ones named by
+DATABASE_URL / REDIS_URL when set, the embedded servers otherwise. Each test gets a fresh
+database cloned from a migrated template (CREATE DATABASE ... TEMPLATE ...) and its own
+flushed Redis database numbers. A missing service skips the test locally and fails it
+when CI=true.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from payment_worker.settings import Settings, get_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE_DB = "pw_test_template"
+APP_REDIS_DB = 9
+BROKER_REDIS_DB = 10
+_counter = itertools.count()
+
+
+def _unavailable(why: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"service unavailable in CI: {why}")
+    pytest.skip(f"service unavailable: {why}")
+
+
+def _with_db(url: str, dbname: str) -> str:
+    """``url`` (libpq form) pointing at database ``dbname``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + dbname))
+
+
+def _with_redis_db(url: str, db: int) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{db}"))
+
+
+@dataclass(frozen=True)
+class ServiceUrls:
+    """Admin URLs of the PostgreSQL and Redis the tests use."""
+
+    pg_admin: str
+    redis_base: str
+
+
+def _reset_caches() -> None:
+    from payment_worker import services
+
+    get_settings.cache_clear()
+    services._embedded_pg.cache_clear()
+    services._embedded_redis.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def service_urls() -> ServiceUrls:
+    """Where PostgreSQL and Redis are (env URLs, or the embedded servers), checked alive."""
+    env_db = os.environ.get("DATABASE_URL")
+    env_redis = os.environ.get("REDIS_URL")
+    try:
+        if env_db:
+            pg = env_db.replace("postgresql+psycopg://", "postgresql://", 1)
+        else:
+            from payment_worker import embedded
+
+            pg = embedded.postgres_url(Settings().home)
+        with psycopg.connect(pg, connect_timeout=5) as conn:
+            conn.execute("SELECT 1")
+    except Exception as exc:  # noqa: BLE001 - any failure means "no PostgreSQL here"
+        _unavailable(f"PostgreSQL: {exc}")
+    try:
+        if env_redis:
+            rurl = env_redis
+        else:
+            from payment_worker import embedded
+
+            rurl = embedded.redis_url(Settings().home)
+        redis.Redis.from_url(rurl, socket_connect_timeout=3).ping()
+    except Exception as exc:  # noqa: BLE001
+        _unavailable(f"Redis: {exc}")
+    return ServiceUrls(pg_admin=pg, redis_base=rurl)
+
+
+@pytest.fixture(scope="session")
+def template_db(service_urls: ServiceUrls) -> str:
+    """A database migrated to head once per session, cloned by every test."""
+    from payment_worker.db import migrate
+
+    admin = _with_db(service_urls.pg_admin, "postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE_DB}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{TEMPLATE_DB}"')
+    tmpl_url = _with_db(service_urls.pg_admin, TEMPLATE_DB)
+    migrate.upgrade(tmpl_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    return TEMPLATE_DB
+
+
+@dataclass(frozen=True)
+class PwEnv:
+    """The URLs of one test's private database and Redis databases."""
+
+    database_url: str
+    redis_url: str
+    broker_url: str
+    settings: Settings
+
+
+@pytest.fixture
+def pw_env(
+    service_urls: ServiceUrls, template_db: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[PwEnv]:
+    """A fresh database (cloned from the template) and flushed Redis dbs, set in the environment.
+
+    Child processes started by the test inherit the environment, so they see the same.
+    """
+    name = f"pw_t_{os.getpid()}_{next(_counter)}_{uuid.uuid4().hex[:6]}"
+    admin = _with_db(service_urls.pg_admin, "postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    db_url = _with_db(service_urls.pg_admin, name)
+    r_url = _with_redis_db(service_urls.redis_base, APP_REDIS_DB)
+    b_url = _with_redis_db(service_urls.redis_base, BROKER_REDIS_DB)
+    for url in (r_url, b_url):
+        redis.Redis.from_url(url).flushdb()
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    monkeypatch.setenv("REDIS_URL", r_url)
+    monkeypatch.setenv("CELERY_BROKER_URL", b_url)
+    _reset_caches()
+    try:
+        yield PwEnv(db_url, r_url, b_url, get_settings())
+    finally:
+        from payment_worker.db.engine import dispose_engines
+
+        dispose_engines()
+        _reset_caches()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def db_conn(pw_env: PwEnv) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """An autocommit psycopg connection to the test's database, for assertions."""
+    with psycopg.connect(pw_env.database_url, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def redis_client(pw_env: PwEnv) -> redis.Redis:
+    """A client of the test's (flushed) application Redis database."""
+    return redis.Redis.from_url(pw_env.redis_url)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = str(item.fspath)
+        if f"{os.sep}integration{os.sep}" in path:
+            item.add_marker(pytest.mark.integration)
+        if f"{os.sep}chaos{os.sep}" in path:
+            item.add_marker(pytest.mark.chaos)

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import psycopg
+
+from payment_worker.db import migrate
+from tests.conftest import PwEnv
+
+
+def _tables(conn: psycopg.Connection) -> set[str]:  # type: ignore[type-arg]
+    rows = conn.execute(
+        "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+EXPECTED = {"batches", "transactions", "idempotency_keys", "account_fences", "dead_letters"}
+
+
+def test_upgrade_twice_then_downgrade_and_up(pw_env: PwEnv, db_conn: psycopg.Connection) -> None:  # type: ignore[type-arg]
+    assert EXPECTED <= _tables(db_conn)
+    # the CLI: a second upgrade is a no-op
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "payment_worker.cli", "db", "upgrade"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+    assert EXPECTED <= _tables(db_conn)
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    migrate.downgrade(url, "base")
+    assert not (EXPECTED & _tables(db_conn))
+    migrate.upgrade(url)
+    assert EXPECTED <= _tables(db_conn)
+
+
+def test_constraints(db_conn: psycopg.Connection) -> None:  # type: ignore[type-arg]
+    db_conn.execute(
+        "INSERT INTO batches (batch_id, account_id, fingerprint, item_count) "
+        "VALUES ('b1', 'a1', 'f', 1)"
+    )
+    bpk = db_conn.execute("SELECT id FROM batches").fetchone()[0]  # type: ignore[index]
+    ins = (
+        "INSERT INTO transactions (batch_pk, account_id, transaction_id, amount, currency, "
+        "beneficiary, idempotency_key, status) VALUES (%s, 'a1', %s, %s, 'IDR', '{}', %s, %s)"
+    )
+    db_conn.execute(ins, (bpk, "t1", 10, "k1", "pending"))
+    for args in [
+        (bpk, "t1", 10, "k2", "pending"),  # (account, transaction) twice
+        (bpk, "t2", 0, "k3", "pending"),  # amount must be > 0
+        (bpk, "t3", 10, "k1", "pending"),  # idempotency key twice
+        (bpk, "t4", 10, "k4", "paid"),  # not a state of the machine
+    ]:
+        try:
+            with db_conn.transaction():
+                db_conn.execute(ins, args)
+        except psycopg.errors.IntegrityError:
+            continue
+        raise AssertionError(f"accepted {args}")

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from payment_worker.settings import Settings, describe_error
+
+
+def test_defaults_are_sane(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"):
+        monkeypatch.delenv(var, raising=False)
+    s = Settings()
+    assert s.database_url is None and s.redis_url is None
+    assert s.task_time_limit < s.visibility_timeout
+    assert s.retry_max_delay < s.visibility_timeout
+    assert str(s.payment_worker_home) == ".payment-worker"
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("DATABASE_URL", "mysql://x/y"),
+        ("DATABASE_URL", "not a url"),
+        ("REDIS_URL", "http://127.0.0.1:6379"),
+        ("LOCK_TTL_MS", "-5"),
+        ("GATEWAY_URL", "ftp://x"),
+        ("METRICS_PORT", "70000"),
+    ],
+)
+def test_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    line = describe_error(info.value)
+    assert var in line
+    assert "\n" not in line
+
+
+def test_cli_bad_database_url_one_line_exit_2() -> None:
+    env = {"DATABASE_URL": "postgresql//broken", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "payment_worker.cli", "status", "--all"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "DATABASE_URL" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_rate_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_RATE_OVERRIDES", '{"acct-1": 5}')
+    s = Settings()
+    assert s.rate_for("acct-1") == 5
+    assert s.rate_for("acct-2") == s.gateway_rate_per_second
