@@ -1,0 +1,1 @@
+"""Metrics, logs and the exporter."""
