@@ -1,4 +1,7 @@
-"""The Celery application. ``celery -A payment_worker worker|beat`` finds it as ``payment_worker.app``."""
+"""The Celery application.
+
+``celery -A payment_worker worker|beat`` finds it as ``payment_worker.app``.
+"""
 
 from __future__ import annotations
 

@@ -73,12 +73,27 @@ def redis_url(home: Path) -> str:
         subprocess.run(
             [
                 binary,
-                "--port", str(port), "--bind", "127.0.0.1",
-                "--dir", str(rdir), "--daemonize", "yes",
-                "--pidfile", str(rdir / "redis.pid"), "--logfile", str(rdir / "redis.log"),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(rdir),
+                "--daemonize",
+                "yes",
+                "--pidfile",
+                str(rdir / "redis.pid"),
+                "--logfile",
+                str(rdir / "redis.log"),
                 # nothing queued may be lost on a crash, nothing evicted under memory pressure
-                "--appendonly", "yes", "--appendfsync", "everysec",
-                "--maxmemory-policy", "noeviction", "--save", "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                "noeviction",
+                "--save",
+                "",
             ],
             check=True,
             stdout=subprocess.DEVNULL,
@@ -125,7 +140,7 @@ def postgres_url(home: Path) -> str:
         pgdata.mkdir(parents=True, exist_ok=True)
         # cleanup_mode=None: the server outlives this process and is shared by all of them
         server = pgserver.get_server(pgdata, cleanup_mode=None)
-        admin_url = server.get_uri()
+        admin_url = str(server.get_uri())
         import psycopg
 
         with psycopg.connect(admin_url, autocommit=True) as conn:
@@ -134,7 +149,7 @@ def postgres_url(home: Path) -> str:
             ).fetchone()
             if not exists:
                 conn.execute(f'CREATE DATABASE "{DATABASE_NAME}"')
-        url = server.get_uri(DATABASE_NAME)
+        url = str(server.get_uri(DATABASE_NAME))
         url_file.write_text(url)
         return url
 

@@ -1,4 +1,4 @@
-"""Where the service's PostgreSQL, Redis and broker are: the settings' URLs, or the embedded servers.
+"""Where the service's PostgreSQL, Redis and broker are: the settings' URLs or embedded servers.
 
 With ``DATABASE_URL`` / ``REDIS_URL`` set, the embedded servers are never started.
 """
@@ -16,18 +16,18 @@ def _settings(settings: Settings | None) -> Settings:
 
 @functools.lru_cache(maxsize=8)
 def _embedded_pg(home: str) -> str:
-    from payment_worker import embedded
-
     from pathlib import Path
+
+    from payment_worker import embedded
 
     return embedded.postgres_url(Path(home))
 
 
 @functools.lru_cache(maxsize=8)
 def _embedded_redis(home: str) -> str:
-    from payment_worker import embedded
-
     from pathlib import Path
+
+    from payment_worker import embedded
 
     return embedded.redis_url(Path(home))
 

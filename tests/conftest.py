@@ -23,9 +23,12 @@ import redis
 from payment_worker.settings import Settings, get_settings
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE_DB = "pw_test_template"
-APP_REDIS_DB = 9
-BROKER_REDIS_DB = 10
+# per pytest session, so that two sessions on one server never drop each other's template
+TEMPLATE_DB = f"pw_tmpl_{os.getpid()}"
+# two Redis database numbers per session (app, broker); PW_TEST_REDIS_DBS="9,10" by default
+APP_REDIS_DB, BROKER_REDIS_DB = (
+    int(x) for x in os.environ.get("PW_TEST_REDIS_DBS", "9,10").split(",")
+)
 _counter = itertools.count()
 
 
@@ -80,7 +83,7 @@ def service_urls() -> ServiceUrls:
             pg = embedded.postgres_url(Settings().home)
         with psycopg.connect(pg, connect_timeout=5) as conn:
             conn.execute("SELECT 1")
-    except Exception as exc:  # noqa: BLE001 - any failure means "no PostgreSQL here"
+    except Exception as exc:
         _unavailable(f"PostgreSQL: {exc}")
     try:
         if env_redis:
@@ -90,13 +93,13 @@ def service_urls() -> ServiceUrls:
 
             rurl = embedded.redis_url(Settings().home)
         redis.Redis.from_url(rurl, socket_connect_timeout=3).ping()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         _unavailable(f"Redis: {exc}")
     return ServiceUrls(pg_admin=pg, redis_base=rurl)
 
 
 @pytest.fixture(scope="session")
-def template_db(service_urls: ServiceUrls) -> str:
+def template_db(service_urls: ServiceUrls) -> Iterator[str]:
     """A database migrated to head once per session, cloned by every test."""
     from payment_worker.db import migrate
 
@@ -106,7 +109,9 @@ def template_db(service_urls: ServiceUrls) -> str:
         conn.execute(f'CREATE DATABASE "{TEMPLATE_DB}"')
     tmpl_url = _with_db(service_urls.pg_admin, TEMPLATE_DB)
     migrate.upgrade(tmpl_url.replace("postgresql://", "postgresql+psycopg://", 1))
-    return TEMPLATE_DB
+    yield TEMPLATE_DB
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE_DB}" WITH (FORCE)')
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,12 @@ batches = Table(
     CheckConstraint(_in("status", BATCH_STATUSES), name="batches_status_check"),
     CheckConstraint("item_count > 0", name="batches_item_count_check"),
 )
-Index("batches_open_idx", batches.c.account_id, batches.c.id,
-      postgresql_where=text("status <> 'completed'"))
+Index(
+    "batches_open_idx",
+    batches.c.account_id,
+    batches.c.id,
+    postgresql_where=text("status <> 'completed'"),
+)
 
 transactions = Table(
     "transactions",
@@ -82,17 +86,30 @@ transactions = Table(
 )
 Index("transactions_batch_idx", transactions.c.batch_pk, transactions.c.id)
 # the worker's and the sweeper's queries: open items by due time, and by account
-Index("transactions_open_due_idx", transactions.c.status, transactions.c.next_attempt_at,
-      postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"))
-Index("transactions_open_account_idx", transactions.c.account_id, transactions.c.status,
-      postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"))
+Index(
+    "transactions_open_due_idx",
+    transactions.c.status,
+    transactions.c.next_attempt_at,
+    postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"),
+)
+Index(
+    "transactions_open_account_idx",
+    transactions.c.account_id,
+    transactions.c.status,
+    postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"),
+)
 
 idempotency_keys = Table(
     "idempotency_keys",
     metadata,
     Column("key", Text, primary_key=True),
-    Column("transaction_pk", BigInteger, ForeignKey("transactions.id", ondelete="CASCADE"),
-           nullable=False, unique=True),
+    Column(
+        "transaction_pk",
+        BigInteger,
+        ForeignKey("transactions.id", ondelete="CASCADE"),
+        nullable=False,
+        unique=True,
+    ),
     Column("request_fingerprint", Text, nullable=False),
     Column("status", String(16), nullable=False, server_default="new"),
     Column("result_ref", Text),
@@ -130,10 +147,15 @@ dead_letters = Table(
     Column("resolved_at", DateTime(timezone=True)),
     Column("resolved_by", Text),
     Column("resolution_note", Text),
-    CheckConstraint("transaction_pk IS NOT NULL OR batch_pk IS NOT NULL",
-                    name="dead_letters_ref_check"),
+    CheckConstraint(
+        "transaction_pk IS NOT NULL OR batch_pk IS NOT NULL", name="dead_letters_ref_check"
+    ),
 )
 # at most one open dead letter per transaction
-Index("dead_letters_open_tx_idx", dead_letters.c.transaction_pk, unique=True,
-      postgresql_where=text("resolved_at IS NULL AND transaction_pk IS NOT NULL"))
+Index(
+    "dead_letters_open_tx_idx",
+    dead_letters.c.transaction_pk,
+    unique=True,
+    postgresql_where=text("resolved_at IS NULL AND transaction_pk IS NOT NULL"),
+)
 Index("dead_letters_created_idx", dead_letters.c.created_at)

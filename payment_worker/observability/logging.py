@@ -35,7 +35,9 @@ def configure_logging(level: str = "INFO", json_lines: bool = False) -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s %(message)s"
+    )
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

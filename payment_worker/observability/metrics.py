@@ -12,15 +12,15 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 # --- account lock and fencing -------------------------------------------------------------
 LOCK_ACQUIRE_SECONDS = Histogram(
-    "pw_lock_acquire_seconds", "Time to acquire an account lock (including fencing).",
-    ["result"], buckets=_LATENCY_BUCKETS,
+    "pw_lock_acquire_seconds",
+    "Time to acquire an account lock (including fencing).",
+    ["result"],
+    buckets=_LATENCY_BUCKETS,
 )
 LOCK_CONTENTION = Counter(
     "pw_lock_contention_total", "Lock attempts that found the account lock held by another owner."
 )
-LOCK_RENEWALS = Counter(
-    "pw_lock_renewals_total", "Watchdog renewals of account locks.", ["result"]
-)
+LOCK_RENEWALS = Counter("pw_lock_renewals_total", "Watchdog renewals of account locks.", ["result"])
 LOCK_LOST = Counter("pw_lock_lost_total", "Account locks lost while held.", ["reason"])
 LOCK_RELEASE_NOT_OWNER = Counter(
     "pw_lock_release_not_owner_total", "Releases that found the lock no longer ours (no-op)."
@@ -31,11 +31,14 @@ FENCING_REJECTIONS = Counter(
 
 # --- gateway ----------------------------------------------------------------------------
 GATEWAY_REQUESTS = Counter(
-    "pw_gateway_requests_total", "Gateway requests by endpoint and classified outcome.",
+    "pw_gateway_requests_total",
+    "Gateway requests by endpoint and classified outcome.",
     ["endpoint", "outcome"],
 )
 GATEWAY_REQUEST_SECONDS = Histogram(
-    "pw_gateway_request_seconds", "Gateway request latency.", ["endpoint"],
+    "pw_gateway_request_seconds",
+    "Gateway request latency.",
+    ["endpoint"],
     buckets=_LATENCY_BUCKETS,
 )
 GATEWAY_TOKEN_REFRESHES = Counter(
@@ -45,7 +48,8 @@ GATEWAY_RATE_LIMITED = Counter(
     "pw_gateway_rate_limited_total", "HTTP 429 answers from the gateway.", ["endpoint"]
 )
 GATEWAY_PACING_WAIT_SECONDS = Histogram(
-    "pw_gateway_pacing_wait_seconds", "Time spent waiting for the per-account request quota.",
+    "pw_gateway_pacing_wait_seconds",
+    "Time spent waiting for the per-account request quota.",
     buckets=_LATENCY_BUCKETS,
 )
 
@@ -62,13 +66,16 @@ TASK_EXECUTIONS = Counter(
     "pw_task_executions_total", "process_account_batch executions by result.", ["result"]
 )
 BATCH_SECONDS = Histogram(
-    "pw_batch_processing_seconds", "Time one task spent on one account's batches.",
+    "pw_batch_processing_seconds",
+    "Time one task spent on one account's batches.",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
 SWEEPS = Counter("pw_sweeps_total", "Sweeper passes.", ["result"])
 SWEEP_REENQUEUED = Counter("pw_sweep_reenqueued_total", "Batches re-enqueued by the sweeper.")
 IN_PROGRESS = Gauge(
-    "pw_batches_in_progress", "Batches being processed by this process.", multiprocess_mode="livesum"
+    "pw_batches_in_progress",
+    "Batches being processed by this process.",
+    multiprocess_mode="livesum",
 )
 
 # --- producer -------------------------------------------------------------------------------

@@ -30,7 +30,9 @@ def test_defaults_are_sane(monkeypatch: pytest.MonkeyPatch) -> None:
         ("METRICS_PORT", "70000"),
     ],
 )
-def test_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+def test_bad_value_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
     monkeypatch.setenv(var, value)
     with pytest.raises(ValidationError) as info:
         Settings()
@@ -43,7 +45,10 @@ def test_cli_bad_database_url_one_line_exit_2() -> None:
     env = {"DATABASE_URL": "postgresql//broken", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
         [sys.executable, "-m", "payment_worker.cli", "status", "--all"],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
