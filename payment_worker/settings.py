@@ -69,6 +69,14 @@ class Settings(BaseSettings):
     retry_max_delay: float = Field(300.0, gt=0)
     lookup_max_attempts: int = Field(6, ge=1)
 
+    # --- processing -------------------------------------------------------------------------
+    # items claimed (intent recorded) per statement, and outcomes written per statement
+    process_chunk_size: int = Field(20, ge=1, le=1000)
+    # a holder waits this long for its account's next retry before releasing the lock
+    hold_wait_max_seconds: float = Field(2.0, ge=0)
+    # a holder releases after this long and re-enqueues, so one account cannot pin a worker
+    drain_max_seconds: float = Field(300.0, gt=0)
+
     # --- celery -------------------------------------------------------------------------
     visibility_timeout: int = Field(3600, gt=0)
     task_soft_time_limit: int = Field(1500, gt=0)
@@ -120,6 +128,8 @@ class Settings(BaseSettings):
             raise ValueError("TASK_SOFT_TIME_LIMIT must be below TASK_TIME_LIMIT")
         if self.retry_max_delay >= self.visibility_timeout:
             raise ValueError("RETRY_MAX_DELAY must be below VISIBILITY_TIMEOUT")
+        if self.drain_max_seconds >= self.task_soft_time_limit:
+            raise ValueError("DRAIN_MAX_SECONDS must be below TASK_SOFT_TIME_LIMIT")
         if self.lock_safety_margin_ms >= self.lock_ttl_ms:
             raise ValueError("LOCK_SAFETY_MARGIN_MS must be below LOCK_TTL_MS")
         return self
