@@ -1,0 +1,281 @@
+"""Every SQL statement of batch processing: claiming work, writing outcomes, completing batches.
+
+Each function is one short statement (its own transaction, autocommit), never held open
+across an HTTP call. Every write carries the holder's fencing token and checks it against
+``account_fences`` under a share lock (FOR SHARE), so a writer whose token is older than the
+account's current one changes nothing and gets :class:`FencedOut`; a concurrent
+``next_fence_token`` waits for the write to commit, so the order is strict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from payment_worker.errors import FencedOut
+from payment_worker.observability.metrics import FENCING_REJECTIONS
+
+OPEN_STATUSES = ("pending", "dispatching", "retryable", "unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedItem:
+    """A transaction claimed for one step: to send (``dispatching``) or to look up (``unknown``)."""
+
+    id: int
+    batch_pk: int
+    account_id: str
+    transaction_id: str
+    amount: int
+    currency: str
+    beneficiary: dict[str, Any]
+    description: str | None
+    idempotency_key: str
+    status: str
+    attempts: int
+    lookups: int
+    request_fingerprint: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What to write for one transaction (see transitions.Decision)."""
+
+    id: int
+    status: str
+    attempts: int
+    lookups: int
+    delay: float = 0.0
+    payment_id: str | None = None
+    error_class: str | None = None
+    error: str | None = None
+    key_status: str | None = None
+    dead_reason: str | None = None
+
+
+_FENCE_CTE = """fence AS (
+    SELECT fence_token FROM account_fences
+    WHERE account_id = :acct AND fence_token = :tok
+    FOR SHARE
+)"""
+
+# Claim up to :n due items of the account in one statement: pending/retryable become
+# dispatching (intent recorded before the gateway call, attempts + 1); dispatching left by a
+# crashed holder becomes unknown (maybe sent: only a lookup may decide); unknown stays.
+_CLAIM = text(f"""
+WITH {_FENCE_CTE},
+due AS (
+    SELECT t.id, t.status AS prev FROM transactions t, fence
+    WHERE t.account_id = :acct
+      AND t.status IN ('pending', 'retryable', 'unknown', 'dispatching')
+      AND t.next_attempt_at <= now()
+    ORDER BY t.batch_pk, t.id
+    LIMIT :n
+    FOR UPDATE OF t SKIP LOCKED
+),
+upd AS (
+    UPDATE transactions t SET
+        status = CASE WHEN due.prev IN ('pending', 'retryable') THEN 'dispatching' ELSE 'unknown' END,
+        attempts = t.attempts + CASE WHEN due.prev IN ('pending', 'retryable') THEN 1 ELSE 0 END,
+        fence_token = :tok,
+        updated_at = now()
+    FROM due WHERE t.id = due.id
+    RETURNING t.id, t.batch_pk, t.account_id, t.transaction_id, t.amount, t.currency,
+              t.beneficiary, t.description, t.idempotency_key, t.status, t.attempts, t.lookups
+),
+keys AS (
+    UPDATE idempotency_keys k SET status = 'sent', attempts = k.attempts + 1,
+        fence_token = :tok, updated_at = now()
+    FROM upd WHERE k.transaction_pk = upd.id AND upd.status = 'dispatching'
+    RETURNING k.transaction_pk, k.request_fingerprint
+),
+started AS (
+    UPDATE batches b SET status = 'processing', updated_at = now()
+    WHERE b.id IN (SELECT batch_pk FROM upd) AND b.status = 'pending'
+)
+SELECT upd.*, COALESCE(keys.request_fingerprint, k2.request_fingerprint) AS request_fingerprint,
+       (SELECT count(*) FROM fence) AS fenced_ok
+FROM upd
+LEFT JOIN keys ON keys.transaction_pk = upd.id
+LEFT JOIN idempotency_keys k2 ON k2.transaction_pk = upd.id
+ORDER BY upd.batch_pk, upd.id
+""")
+
+_FENCE_OK = text(
+    "SELECT count(*) FROM account_fences WHERE account_id = :acct AND fence_token = :tok"
+)
+
+
+def _fence_rejected(account_id: str, token: int) -> FencedOut:
+    FENCING_REJECTIONS.inc()
+    return FencedOut(f"fencing token {token} of account {account_id} is no longer current")
+
+
+def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
+    """Claim up to ``limit`` due items of the account (fenced); [] when nothing is due."""
+    rows = conn.execute(_CLAIM, {"acct": account_id, "tok": token, "n": limit}).mappings().all()
+    if not rows:
+        # no row: nothing due, or the fence rejected us; tell the two apart (rare path)
+        if not conn.execute(_FENCE_OK, {"acct": account_id, "tok": token}).scalar():
+            raise _fence_rejected(account_id, token)
+        return []
+    return [
+        ClaimedItem(
+            id=r["id"], batch_pk=r["batch_pk"], account_id=r["account_id"],
+            transaction_id=r["transaction_id"], amount=r["amount"], currency=r["currency"],
+            beneficiary=r["beneficiary"], description=r["description"],
+            idempotency_key=r["idempotency_key"], status=r["status"], attempts=r["attempts"],
+            lookups=r["lookups"], request_fingerprint=r["request_fingerprint"],
+        )
+        for r in rows
+    ]
+
+
+_RECORD = text(f"""
+WITH {_FENCE_CTE},
+v AS (
+    SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(
+        id bigint, status text, attempts int, lookups int, delay double precision,
+        payment_id text, error_class text, error text, key_status text, dead_reason text)
+),
+upd AS (
+    UPDATE transactions t SET
+        status = v.status, attempts = v.attempts, lookups = v.lookups,
+        next_attempt_at = now() + make_interval(secs => v.delay),
+        gateway_payment_id = COALESCE(v.payment_id, t.gateway_payment_id),
+        last_error_class = v.error_class, last_error = v.error,
+        fence_token = :tok, updated_at = now()
+    FROM v, fence
+    WHERE t.id = v.id AND t.account_id = :acct AND t.status IN ('dispatching', 'unknown')
+    RETURNING t.id, t.batch_pk, t.status, t.attempts, v.key_status, v.payment_id,
+              v.dead_reason, v.error_class, v.error, t.idempotency_key
+),
+keys AS (
+    UPDATE idempotency_keys k SET status = upd.key_status,
+        result_ref = COALESCE(upd.payment_id, upd.error_class, k.result_ref),
+        fence_token = :tok, updated_at = now()
+    FROM upd WHERE k.transaction_pk = upd.id AND upd.key_status IS NOT NULL
+),
+dead AS (
+    INSERT INTO dead_letters (transaction_pk, batch_pk, reason, error_class, attempts, payload)
+    SELECT id, batch_pk, dead_reason, error_class, attempts,
+           jsonb_build_object('last_error', error, 'idempotency_key', idempotency_key)
+    FROM upd WHERE status = 'dead'
+    ON CONFLICT (transaction_pk) WHERE resolved_at IS NULL AND transaction_pk IS NOT NULL
+    DO NOTHING
+)
+SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok
+""")
+
+
+def record_outcomes(
+    conn: Connection, account_id: str, token: int, outcomes: Sequence[Outcome]
+) -> int:
+    """Write the outcomes of claimed items in one fenced statement; returns rows changed.
+
+    Terminal states never move back: only rows still ``dispatching``/``unknown`` change.
+    Dead items get their dead-letter row in the same statement.
+    """
+    if not outcomes:
+        return 0
+    rows = json.dumps(
+        [
+            {
+                "id": o.id, "status": o.status, "attempts": o.attempts, "lookups": o.lookups,
+                "delay": max(o.delay, 0.0), "payment_id": o.payment_id,
+                "error_class": o.error_class,
+                "error": (o.error[:1000] if o.error else None),
+                "key_status": o.key_status, "dead_reason": o.dead_reason,
+            }
+            for o in outcomes
+        ]
+    )
+    row = conn.execute(_RECORD, {"acct": account_id, "tok": token, "rows": rows}).one()
+    if not row.fenced_ok:
+        raise _fence_rejected(account_id, token)
+    return int(row.updated)
+
+
+_COMPLETE = text("""
+UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = now(),
+    succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
+FROM (
+    SELECT batch_pk,
+           count(*) FILTER (WHERE status = 'succeeded') AS succeeded,
+           count(*) FILTER (WHERE status = 'failed') AS failed,
+           count(*) FILTER (WHERE status = 'dead') AS dead
+    FROM transactions
+    WHERE batch_pk IN (SELECT id FROM batches WHERE account_id = :acct AND status <> 'completed')
+    GROUP BY batch_pk
+    HAVING bool_and(status IN ('succeeded', 'failed', 'dead'))
+) s
+WHERE b.id = s.batch_pk AND b.status <> 'completed'
+RETURNING b.batch_id
+""")
+
+
+def complete_batches(conn: Connection, account_id: str) -> list[str]:
+    """Mark the account's batches whose items are all terminal as completed; returns their ids."""
+    return list(conn.execute(_COMPLETE, {"acct": account_id}).scalars())
+
+
+_NEXT_DUE = text("""
+SELECT min(next_attempt_at) AS due, now() AS now FROM transactions
+WHERE account_id = :acct AND status IN ('pending', 'dispatching', 'retryable', 'unknown')
+""")
+
+
+def seconds_until_next_due(conn: Connection, account_id: str) -> float | None:
+    """Seconds until the account's earliest open item is due (<= 0: due now); None: no open item."""
+    row = conn.execute(_NEXT_DUE, {"acct": account_id}).one()
+    due: datetime | None = row.due
+    if due is None:
+        return None
+    return float((due - row.now).total_seconds())
+
+
+def account_of_batch(conn: Connection, batch_id: str) -> str | None:
+    """The account of a batch, or None when no such batch exists."""
+    value = conn.execute(
+        text("SELECT account_id FROM batches WHERE batch_id = :b"), {"b": batch_id}
+    ).scalar()
+    return None if value is None else str(value)
+
+
+_STALLED = text("""
+SELECT t.account_id, min(b.batch_id) AS batch_id,
+       bool_or(t.status IN ('dispatching', 'unknown')) AS in_doubt
+FROM transactions t JOIN batches b ON b.id = t.batch_pk
+WHERE t.status IN ('pending', 'dispatching', 'retryable', 'unknown')
+  AND t.next_attempt_at <= now()
+GROUP BY t.account_id
+HAVING max(t.updated_at) < now() - make_interval(secs => :stale)
+ORDER BY min(t.next_attempt_at)
+LIMIT :limit
+""")
+
+
+@dataclass(frozen=True, slots=True)
+class StalledAccount:
+    """An account with due open items and no progress for a while."""
+
+    account_id: str
+    batch_id: str
+    in_doubt: bool  # has dispatching/unknown items: the next holder resolves them by lookup
+
+
+def stalled_accounts(conn: Connection, stale_after: float, limit: int = 500) -> list[StalledAccount]:
+    """Accounts whose due open items saw no write for ``stale_after`` seconds (for the sweeper)."""
+    rows = conn.execute(_STALLED, {"stale": stale_after, "limit": limit}).all()
+    return [StalledAccount(r.account_id, r.batch_id, bool(r.in_doubt)) for r in rows]
+
+
+def open_counts(conn: Connection) -> dict[str, int]:
+    """Number of transactions per status (all statuses, for tests and tools)."""
+    rows = conn.execute(text("SELECT status, count(*) FROM transactions GROUP BY status")).all()
+    return {str(r[0]): int(r[1]) for r in rows}

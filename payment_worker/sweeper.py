@@ -1,0 +1,77 @@
+"""The periodic repair (beat): nothing accepted may be left behind.
+
+Finds accounts whose due open items saw no write for ``SWEEPER_STALE_AFTER`` seconds and
+whose lock is free, and enqueues one of their batches: this covers messages the broker lost
+(a Redis restart without persistence), a submission made while the broker was down, a
+delayed message lost with its worker, and items left ``dispatching``/``unknown`` by a crash.
+Those in-doubt items are resolved by lookup by the next lock holder, under the account lock
+and its fencing token, never by the sweeper itself, so even repair cannot race a holder.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from redis.exceptions import LockError
+
+from payment_worker.db import transactions as repo
+from payment_worker.locks import lock_is_held
+from payment_worker.observability.logging import get_logger
+from payment_worker.observability.metrics import SWEEP_REENQUEUED, SWEEPS
+from payment_worker.processing import Resources, resources
+
+log = get_logger("sweeper")
+
+
+def run_sweep(res: Resources | None = None) -> dict[str, Any]:
+    """One sweeper pass, under a Redis lock so two beats never overlap; returns a summary."""
+    res = res or resources()
+    s = res.settings
+    # redis-py's Lock: owner token, Lua release; the timeout bounds a crashed sweeper
+    guard = res.redis.lock(
+        f"{s.redis_key_prefix}:sweeper", timeout=max(30.0, s.sweeper_interval * 4),
+        blocking=False,
+    )
+    if not guard.acquire(blocking=False):
+        SWEEPS.labels("skipped").inc()
+        return {"result": "skipped", "reason": "another sweeper is running"}
+    started = time.monotonic()
+    try:
+        return _sweep(res)
+    finally:
+        try:
+            guard.release()
+        except LockError:
+            log.warning("sweeper_lock_expired", seconds=time.monotonic() - started)
+
+
+def _sweep(res: Resources) -> dict[str, Any]:
+    from payment_worker.tasks import enqueue_batch
+
+    s = res.settings
+    with res.engine.connect() as conn:
+        stalled = repo.stalled_accounts(conn, s.sweeper_stale_after)
+    requeued: list[str] = []
+    busy = 0
+    for acct in stalled:
+        if lock_is_held(res.redis, acct.account_id, s.redis_key_prefix):
+            busy += 1
+            continue
+        # at most one repair message per account per stale period
+        marker = f"{s.redis_key_prefix}:swept:{{{acct.account_id}}}"
+        if not res.redis.set(marker, acct.batch_id, nx=True, px=int(s.sweeper_stale_after * 1000)):
+            continue
+        try:
+            enqueue_batch(acct.batch_id)
+        except Exception as exc:  # noqa: BLE001 - broker down: try again next pass
+            res.redis.delete(marker)
+            log.warning("sweep_enqueue_failed", batch_id=acct.batch_id, error=repr(exc))
+            SWEEPS.labels("broker_error").inc()
+            return {"result": "broker_error", "stalled": len(stalled), "reenqueued": requeued}
+        requeued.append(acct.batch_id)
+        SWEEP_REENQUEUED.inc()
+        log.info("sweep_reenqueued", account_id=acct.account_id, batch_id=acct.batch_id,
+                 in_doubt=acct.in_doubt)
+    SWEEPS.labels("ok").inc()
+    return {"result": "ok", "stalled": len(stalled), "busy": busy, "reenqueued": requeued}
