@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_process_init
+from celery.signals import worker_init, worker_process_init
 
 app = Celery("payment_worker", include=["payment_worker.tasks"])
 # lazy: the config module (and with it any embedded server) loads on first use
@@ -21,3 +21,21 @@ def _after_fork(**_: Any) -> None:
     from payment_worker.db.engine import dispose_engines
 
     dispose_engines()
+
+
+@worker_init.connect
+def _worker_init(**_: Any) -> None:
+    # structured logs, and this worker process's /metrics on METRICS_PORT (0: off)
+    from payment_worker.observability.logging import configure_logging, get_logger
+    from payment_worker.settings import get_settings
+
+    s = get_settings()
+    configure_logging(s.log_level, s.log_json)
+    if s.metrics_port:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(s.metrics_port)
+        except OSError as exc:
+            # several workers on one host: give each its own METRICS_PORT
+            get_logger("worker").warning("metrics_port_busy", port=s.metrics_port, error=str(exc))
