@@ -1,0 +1,308 @@
+"""Pydantic models of the batch JSON, and its validation errors with JSON paths.
+
+One batch is one account's list of payouts::
+
+    {"batch_id": "payout-2026-11-29-0001", "account_id": "acct-42",
+     "items": [{"transaction_id": "tx-1", "amount": 150000, "currency": "IDR",
+                "beneficiary": {"bank_code": "014", "account_number": "1234567890",
+                                "name": "Budi"},
+                "description": "optional"}]}
+
+:func:`parse_batch` reports every problem at once, each as ``{"path": "$.items[3].amount",
+"message": "..."}``; the two limits that are settings (items per batch, largest amount) come
+in as arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from payment_worker.idempotency import fingerprint
+from payment_worker.payments import PaymentRequest
+
+IDENTIFIER_MAX_LENGTH = 128
+BANK_CODE_MAX_LENGTH = 32
+ACCOUNT_NUMBER_MAX_LENGTH = 64
+NAME_MAX_LENGTH = 140
+DESCRIPTION_MAX_LENGTH = 255
+
+_CURRENCY = re.compile(r"[A-Z]{3}")
+_IDENT_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _printable(value: str) -> str:
+    if not value.isprintable():
+        raise ValueError("must contain printable characters only (no control characters)")
+    return value
+
+
+def _identifier(value: str) -> str:
+    _printable(value)
+    # "tx-1" and "tx-1 " would be two different transactions: refuse the ambiguity
+    if value != value.strip():
+        raise ValueError("must not start or end with whitespace")
+    return value
+
+
+def _not_blank(value: str) -> str:
+    _printable(value)
+    if not value.strip():
+        raise ValueError("must not be blank")
+    return value
+
+
+def _currency(value: str) -> str:
+    if not _CURRENCY.fullmatch(value):
+        raise ValueError("must be three upper-case letters (ISO 4217), e.g. IDR")
+    return value
+
+
+Identifier = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=IDENTIFIER_MAX_LENGTH),
+    AfterValidator(_identifier),
+]
+Currency = Annotated[str, AfterValidator(_currency)]
+
+
+BankCode = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=BANK_CODE_MAX_LENGTH),
+    AfterValidator(_not_blank),
+]
+AccountNumber = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=ACCOUNT_NUMBER_MAX_LENGTH),
+    AfterValidator(_not_blank),
+]
+Name = Annotated[
+    str, StringConstraints(min_length=1, max_length=NAME_MAX_LENGTH), AfterValidator(_not_blank)
+]
+Description = Annotated[
+    str, StringConstraints(max_length=DESCRIPTION_MAX_LENGTH), AfterValidator(_printable)
+]
+
+
+class Beneficiary(BaseModel):
+    """Who receives the money."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    bank_code: BankCode
+    account_number: AccountNumber
+    name: Name
+
+
+class Item(BaseModel):
+    """One payout of a batch."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    transaction_id: Identifier
+    # strict: no floats, no booleans, no numeric strings; minor units
+    amount: Annotated[int, Field(gt=0)]
+    currency: Currency
+    beneficiary: Beneficiary
+    description: Description | None = None
+
+    @field_validator("amount")
+    @classmethod
+    def _at_most_max(cls, value: int, info: ValidationInfo) -> int:
+        limit = _limit(info, "max_amount")
+        if limit is not None and value > limit:
+            raise ValueError(f"must be at most {limit} (MAX_AMOUNT)")
+        return value
+
+
+class Batch(BaseModel):
+    """One account's batch of payouts."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    batch_id: Identifier
+    account_id: Identifier
+    items: list[Item]
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _item_count(cls, value: Any, info: ValidationInfo) -> Any:
+        # checked before the items themselves, so an oversized list costs no item validation
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("must contain at least 1 item")
+            limit = _limit(info, "max_items")
+            if limit is not None and len(value) > limit:
+                raise ValueError(
+                    f"must contain at most {limit} items (MAX_ITEMS_PER_BATCH), got {len(value)}"
+                )
+        return value
+
+    def payment_requests(self) -> list[PaymentRequest]:
+        """The items as gateway requests, in batch order."""
+        return [
+            PaymentRequest(
+                account_id=self.account_id,
+                transaction_id=item.transaction_id,
+                amount=item.amount,
+                currency=item.currency,
+                beneficiary=item.beneficiary.model_dump(),
+                description=item.description,
+            )
+            for item in self.items
+        ]
+
+    def fingerprint(self, requests: Sequence[PaymentRequest] | None = None) -> str:
+        """SHA-256 of the batch's canonical content.
+
+        Items are taken in transaction-id order (ids are unique within a batch), so the same
+        set of payouts sent again in another order is the same batch; an absent and a null
+        description are the same, as they are on the wire.
+        """
+        reqs = requests if requests is not None else self.payment_requests()
+        return fingerprint(
+            {
+                "batch_id": self.batch_id,
+                "account_id": self.account_id,
+                "items": [r.body() for r in sorted(reqs, key=lambda r: r.transaction_id)],
+            }
+        )
+
+
+def _limit(info: ValidationInfo, name: str) -> int | None:
+    context = info.context
+    if isinstance(context, dict):
+        value = context.get(name)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+class InvalidBatch(ValueError):
+    """A batch that failed validation; ``errors`` lists every problem with its JSON path."""
+
+    def __init__(self, errors: list[dict[str, str]]) -> None:
+        super().__init__(f"{len(errors)} validation error(s)")
+        self.errors = errors
+
+
+def json_path(loc: Sequence[int | str]) -> str:
+    """A pydantic error location as a JSON path.
+
+    ``("items", 3, "amount")`` becomes ``$.items[3].amount``; an odd key is quoted:
+    ``$.items[0]["a b"]``.
+    """
+    out = ["$"]
+    for part in loc:
+        if isinstance(part, int):
+            out.append(f"[{part}]")
+        elif _IDENT_KEY.fullmatch(part):
+            out.append(f".{part}")
+        else:
+            out.append(f"[{json.dumps(part, ensure_ascii=False)}]")
+    return "".join(out)
+
+
+def _duplicate_transactions(items: Any) -> list[tuple[int, dict[str, str]]]:
+    """Transaction ids seen twice in one batch, found on the raw input so that they are
+    reported together with every other error (pydantic would stop before a model check)."""
+    found: list[tuple[int, dict[str, str]]] = []
+    if not isinstance(items, list):
+        return found
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        tx = item.get("transaction_id") if isinstance(item, dict) else None
+        if not isinstance(tx, str):
+            continue
+        if tx in first:
+            found.append(
+                (
+                    index,
+                    {
+                        "path": f"$.items[{index}].transaction_id",
+                        "message": f"duplicate transaction_id {tx!r} "
+                        f"(first at $.items[{first[tx]}].transaction_id)",
+                    },
+                )
+            )
+        else:
+            first[tx] = index
+    return found
+
+
+# pydantic's wording speaks Python ("dictionary", "instance of Item"); producers write JSON
+_MESSAGES = {
+    "missing": "is required",
+    "extra_forbidden": "is not a known field",
+    "model_type": "must be a JSON object",
+    "dict_type": "must be a JSON object",
+    "list_type": "must be a JSON array",
+    "string_type": "must be a string",
+    "int_type": "must be an integer in minor units (not a float, boolean or string)",
+    "string_too_short": "must not be empty",
+}
+
+
+def _item_index(loc: Sequence[int | str]) -> int:
+    if len(loc) >= 2 and loc[0] == "items" and isinstance(loc[1], int):
+        return loc[1]
+    return -1
+
+
+def parse_batch(data: Any, *, max_items: int, max_amount: int) -> Batch:
+    """Validate one batch (already decoded from JSON); raises :class:`InvalidBatch` with all errors.
+
+    Errors are ordered batch fields first, then item by item.
+    """
+    if not isinstance(data, dict):
+        raise InvalidBatch([{"path": "$", "message": "a batch must be a JSON object"}])
+    ranked: list[tuple[int, int, dict[str, str]]] = []
+    batch: Batch | None = None
+    try:
+        batch = Batch.model_validate(
+            data, context={"max_items": max_items, "max_amount": max_amount}
+        )
+    except ValidationError as exc:
+        for n, detail in enumerate(exc.errors(include_url=False, include_input=False)):
+            msg = _MESSAGES.get(detail["type"]) or str(detail["msg"]).removeprefix("Value error, ")
+            loc = detail["loc"]
+            ranked.append((_item_index(loc), n, {"path": json_path(loc), "message": msg}))
+    for index, dup in _duplicate_transactions(data.get("items")):
+        ranked.append((index, len(ranked), dup))
+    if ranked or batch is None:
+        ranked.sort(key=lambda r: (r[0], r[1]))
+        raise InvalidBatch([r[2] for r in ranked])
+    return batch
+
+
+def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for :func:`json.loads`: a key twice in one object is an error,
+    because ``{"amount": 1, "amount": 1000}`` has no single meaning."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} in one JSON object")
+        out[key] = value
+    return out
+
+
+def loads(text: str | bytes) -> Any:
+    """Decode JSON strictly: duplicate keys, NaN and Infinity are errors (``ValueError``)."""
+
+    def _no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    return json.loads(text, object_pairs_hook=reject_duplicate_keys, parse_constant=_no_constant)

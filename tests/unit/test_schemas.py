@@ -1,0 +1,220 @@
+"""Batch validation: every error at once, each with its JSON path; no services needed."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from payment_worker.payments import PaymentRequest
+from payment_worker.schemas import InvalidBatch, json_path, loads, parse_batch
+
+LIMITS = {"max_items": 5, "max_amount": 1_000_000}
+
+
+def item(tx: str = "tx-1", **over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "transaction_id": tx,
+        "amount": 150_000,
+        "currency": "IDR",
+        "beneficiary": {"bank_code": "014", "account_number": "1234567890", "name": "Budi"},
+    }
+    base.update(over)
+    return base
+
+
+def batch(*items: dict[str, Any], **over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "batch_id": "payout-2026-11-29-0001",
+        "account_id": "acct-42",
+        "items": list(items) or [item()],
+    }
+    base.update(over)
+    return base
+
+
+def errors_of(data: Any, **limits: int) -> list[dict[str, str]]:
+    with pytest.raises(InvalidBatch) as info:
+        parse_batch(data, **{**LIMITS, **limits})
+    return info.value.errors
+
+
+def paths(data: Any, **limits: int) -> list[str]:
+    return [e["path"] for e in errors_of(data, **limits)]
+
+
+def test_the_documented_example_is_valid() -> None:
+    b = parse_batch(batch(item(description="optional")), **LIMITS)
+    assert b.batch_id == "payout-2026-11-29-0001"
+    assert b.items[0].amount == 150_000
+    assert b.items[0].beneficiary.name == "Budi"
+    assert b.items[0].description == "optional"
+
+
+@pytest.mark.parametrize(
+    "amount",
+    [0, -1, 1.5, 150000.0, True, False, "150000", None, [1], {"v": 1}, 1_000_001],
+    ids=repr,
+)
+def test_amount_must_be_a_positive_integer_within_the_limit(amount: Any) -> None:
+    errs = errors_of(batch(item(amount=amount)))
+    assert [e["path"] for e in errs] == ["$.items[0].amount"]
+    assert errs[0]["message"]
+
+
+def test_amount_limit_is_the_setting_and_inclusive() -> None:
+    assert parse_batch(batch(item(amount=1_000_000)), **LIMITS).items[0].amount == 1_000_000
+    errs = errors_of(batch(item(amount=1_000_001)))
+    assert "at most 1000000" in errs[0]["message"]
+
+
+@pytest.mark.parametrize("currency", ["idr", "ID", "IDRX", "1DR", "", 360, None])
+def test_currency_is_three_upper_case_letters(currency: Any) -> None:
+    assert paths(batch(item(currency=currency))) == ["$.items[0].currency"]
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", " lead", "trail ", "tab\there", "nl\n", "x" * 129, 42, None, ["a"]],
+    ids=repr,
+)
+@pytest.mark.parametrize("field", ["batch_id", "account_id"])
+def test_identifiers_are_non_empty_printable_bounded_strings(field: str, value: Any) -> None:
+    assert paths(batch(**{field: value})) == [f"$.{field}"]
+
+
+@pytest.mark.parametrize("value", ["", "x" * 129, 7, "a\u0000b"], ids=repr)
+def test_transaction_id_is_checked_like_the_other_ids(value: Any) -> None:
+    assert paths(batch(item(tx=value))) == ["$.items[0].transaction_id"]
+
+
+def test_identifier_limits_are_inclusive() -> None:
+    b = parse_batch(batch(item(tx="t" * 128), batch_id="b" * 128), **LIMITS)
+    assert len(b.items[0].transaction_id) == 128
+
+
+@pytest.mark.parametrize("field", ["bank_code", "account_number", "name"])
+def test_beneficiary_fields_are_required_and_not_blank(field: str) -> None:
+    missing = item()
+    del missing["beneficiary"][field]
+    blank = item()
+    blank["beneficiary"][field] = "   "
+    assert paths(batch(missing)) == [f"$.items[0].beneficiary.{field}"]
+    assert paths(batch(blank)) == [f"$.items[0].beneficiary.{field}"]
+
+
+def test_unknown_fields_are_reported_not_ignored() -> None:
+    extra = item(fee=5)
+    extra["beneficiary"]["iban"] = "x"
+    assert sorted(paths(batch(extra, priority=1))) == [
+        "$.items[0].beneficiary.iban",
+        "$.items[0].fee",
+        "$.priority",
+    ]
+
+
+def test_item_count_between_one_and_the_setting() -> None:
+    assert paths(batch(items=[])) == ["$.items"]
+    errs = errors_of(batch(*[item(f"tx-{i}") for i in range(6)]))
+    assert [e["path"] for e in errs] == ["$.items"]
+    assert "at most 5 items" in errs[0]["message"]
+    assert len(parse_batch(batch(*[item(f"tx-{i}") for i in range(5)]), **LIMITS).items) == 5
+
+
+def test_duplicate_transaction_id_names_both_places() -> None:
+    errs = errors_of(batch(item("tx-1"), item("tx-2"), item("tx-1")))
+    assert errs == [
+        {
+            "path": "$.items[2].transaction_id",
+            "message": "duplicate transaction_id 'tx-1' (first at $.items[0].transaction_id)",
+        }
+    ]
+
+
+def test_every_error_is_reported_at_once_in_document_order() -> None:
+    bad = batch(
+        item("tx-1", amount=1.5),
+        item("tx-1", currency="usd"),
+        "not an item",
+        item("tx-4", beneficiary={"bank_code": "014"}),
+        batch_id="",
+    )
+    assert paths(bad) == [
+        "$.batch_id",
+        "$.items[0].amount",
+        "$.items[1].currency",
+        "$.items[1].transaction_id",
+        "$.items[2]",
+        "$.items[3].beneficiary.account_number",
+        "$.items[3].beneficiary.name",
+    ]
+
+
+@pytest.mark.parametrize("data", [[], "batch", 42, None])
+def test_a_batch_must_be_an_object(data: Any) -> None:
+    assert errors_of(data) == [{"path": "$", "message": "a batch must be a JSON object"}]
+
+
+def test_messages_speak_json_not_python() -> None:
+    errs = errors_of(batch(items="x", account_id=None))
+    by_path = {e["path"]: e["message"] for e in errs}
+    assert by_path == {"$.account_id": "must be a string", "$.items": "must be a JSON array"}
+
+
+def test_json_path_quotes_odd_keys() -> None:
+    assert json_path(("items", 3, "amount")) == "$.items[3].amount"
+    assert json_path(("items", 0, "a b")) == '$.items[0]["a b"]'
+    assert json_path(()) == "$"
+
+
+def test_fingerprint_ignores_item_order_and_absent_vs_null_description() -> None:
+    a = parse_batch(batch(item("tx-1"), item("tx-2", description=None)), **LIMITS)
+    b = parse_batch(batch(item("tx-2"), item("tx-1")), **LIMITS)
+    assert a.fingerprint() == b.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: b["items"][0].update(amount=150_001),
+        lambda b: b["items"][0]["beneficiary"].update(name="Budi S"),
+        lambda b: b["items"][0].update(description="other"),
+        lambda b: b.update(account_id="acct-43"),
+        lambda b: b["items"].append(item("tx-9")),
+    ],
+)
+def test_fingerprint_changes_with_any_content(change: Any) -> None:
+    original = batch(item("tx-1"), item("tx-2"))
+    changed = copy.deepcopy(original)
+    change(changed)
+    assert (
+        parse_batch(original, **LIMITS).fingerprint()
+        != parse_batch(changed, **LIMITS).fingerprint()
+    )
+
+
+def test_payment_requests_match_the_gateway_body() -> None:
+    b = parse_batch(batch(item("tx-1", description="d")), **LIMITS)
+    (req,) = b.payment_requests()
+    assert req == PaymentRequest(
+        account_id="acct-42",
+        transaction_id="tx-1",
+        amount=150_000,
+        currency="IDR",
+        beneficiary={"bank_code": "014", "account_number": "1234567890", "name": "Budi"},
+        description="d",
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"a": 1, "a": 2}', '{"amount": NaN}', '{"amount": Infinity}', "{", ""],
+)
+def test_loads_is_strict(text: str) -> None:
+    with pytest.raises(ValueError):
+        loads(text)
+
+
+def test_loads_accepts_plain_json() -> None:
+    assert loads(b'{"items": [1, 2]}') == {"items": [1, 2]}
