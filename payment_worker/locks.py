@@ -1,0 +1,508 @@
+"""The account lock: one worker per account at a time, fenced in Postgres.
+
+* Acquire: ``SET {prefix}:lock:{account} <random token> NX PX <ttl>``; the hash tag
+  ``{account}`` puts every key of one account in one Redis Cluster slot.
+* Release and renew are owner-checked Lua scripts: a lock that is no longer ours is
+  never deleted or extended.
+* A watchdog thread renews at TTL/3. A renewal that finds the key gone or owned by
+  another token, or a Redis that stays unreachable until the local deadline (last
+  successful renewal + TTL - safety margin), marks the lock lost; :meth:`ensure_held`
+  raises :class:`LockLost` before any side effect.
+* Every acquisition takes a new fencing token from Postgres (one round trip); writes
+  guarded by :mod:`payment_worker.db.fences` reject an older holder.
+* A blocking acquire waits in a FIFO queue: release hands the lock straight to the
+  oldest live waiter and wakes it with a push to its own list (BLPOP), so nobody
+  polls and nobody starves.
+
+docs/locks.md describes the keys, scripts and rules.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import sqlalchemy
+from redis.exceptions import RedisError
+
+from payment_worker.db.fences import next_fence_token
+from payment_worker.errors import LockLost, LockNotAcquired
+from payment_worker.observability.logging import get_logger
+from payment_worker.observability.metrics import (
+    LOCK_ACQUIRE_SECONDS,
+    LOCK_CONTENTION,
+    LOCK_LOST,
+    LOCK_RELEASE_NOT_OWNER,
+    LOCK_RENEWALS,
+)
+from payment_worker.settings import get_settings
+from payment_worker.watchdog import Watchdog
+
+log = get_logger("locks")
+
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def _clock() -> float:
+    """Seconds on a clock that keeps counting while the process (or the host) is suspended.
+
+    CLOCK_MONOTONIC stops during a system suspend on Linux while the Redis TTL keeps
+    running; CLOCK_BOOTTIME does not stop, so the local deadline stays conservative.
+    """
+    if _BOOTTIME is not None:
+        return time.clock_gettime(_BOOTTIME)
+    return time.monotonic()
+
+
+# Lua helpers shared by the scripts. KEYS[1] lock, KEYS[2] waiter queue (list, FIFO),
+# KEYS[3] waiter leases (hash token -> expiry in Redis server milliseconds).
+_LUA_NOW = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+_LUA_HEAD = """
+local function live_head(now)
+  while true do
+    local head = redis.call('LINDEX', KEYS[2], 0)
+    if not head then return false end
+    local lease = tonumber(redis.call('HGET', KEYS[3], head) or '0')
+    if lease >= now then return head end
+    redis.call('LPOP', KEYS[2])
+    redis.call('HDEL', KEYS[3], head)
+  end
+end
+local function keep_queue(ms)
+  for i = 2, 3 do
+    if redis.call('PTTL', KEYS[i]) < ms then redis.call('PEXPIRE', KEYS[i], ms) end
+  end
+end
+"""
+
+# ARGV[1] token, ARGV[2] ttl ms. 1 renewed, 0 key gone, -1 owned by another token.
+_RENEW_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if cur then return -1 end
+return 0
+"""
+
+# ARGV[1] token, ARGV[2] ttl ms. {1} released, {2, next} handed to the oldest live waiter,
+# {0} key gone, {-1} owned by another token (no-op either way).
+_RELEASE_LUA = (
+    _LUA_NOW
+    + _LUA_HEAD
+    + """
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then
+  if cur then return {-1} end
+  return {0}
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  local nxt = live_head(now_ms())
+  if nxt then
+    redis.call('LPOP', KEYS[2])
+    redis.call('HDEL', KEYS[3], nxt)
+    redis.call('SET', KEYS[1], nxt, 'PX', ARGV[2])
+    return {2, nxt}
+  end
+end
+redis.call('DEL', KEYS[1])
+return {1}
+"""
+)
+
+# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] lease ms. 1 when the lock is now ours: it was
+# handed to us, or it is free and we are the oldest live waiter (or the queue is empty).
+# Otherwise (re)joins the queue at the back if absent, refreshes the lease, returns 0.
+_WAIT_LUA = (
+    _LUA_NOW
+    + _LUA_HEAD
+    + """
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('LREM', KEYS[2], 1, ARGV[1])
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  return 1
+end
+local now = now_ms()
+local lease = tonumber(ARGV[3])
+if redis.call('HSET', KEYS[3], ARGV[1], string.format('%d', now + lease)) == 1 then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+end
+if not cur and live_head(now) == ARGV[1] then
+  redis.call('LPOP', KEYS[2])
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+keep_queue(lease)
+return 0
+"""
+)
+
+# ARGV[1] token, ARGV[2] ttl ms. Leaves the queue; 1 if the lock was handed to us meanwhile.
+_CANCEL_LUA = """
+redis.call('LREM', KEYS[2], 1, ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def lock_key(account_id: str, key_prefix: str | None = None) -> str:
+    """The Redis key of an account's lock: ``{prefix}:lock:{account_id}`` with a hash tag."""
+    prefix = key_prefix if key_prefix is not None else get_settings().redis_key_prefix
+    return f"{prefix}:lock:{{{account_id}}}"
+
+
+def lock_is_held(redis: redis.Redis, account_id: str, key_prefix: str | None = None) -> bool:
+    """Whether anyone holds the account's lock right now (for the sweeper)."""
+    return bool(redis.exists(lock_key(account_id, key_prefix)))
+
+
+# One small autocommit pool per caller's engine and process, without pre-ping: the
+# fencing upsert is then exactly one round trip (a pre-ping is one more, an explicit
+# BEGIN/COMMIT two more). A dead pooled connection is retried once (see _fence).
+_fence_engines: weakref.WeakKeyDictionary[sqlalchemy.Engine, tuple[int, sqlalchemy.Engine]] = (
+    weakref.WeakKeyDictionary()
+)
+_fence_engines_lock = threading.Lock()
+
+
+def _fence_engine(engine: sqlalchemy.Engine) -> sqlalchemy.Engine:
+    with _fence_engines_lock:
+        entry = _fence_engines.get(engine)
+        if entry is None or entry[0] != os.getpid():
+            fast = sqlalchemy.create_engine(
+                engine.url,
+                pool_size=2,
+                max_overflow=8,
+                pool_pre_ping=False,
+                pool_recycle=1800,
+                isolation_level="AUTOCOMMIT",
+                connect_args={"connect_timeout": 10},
+            )
+            entry = (os.getpid(), fast)
+            _fence_engines[engine] = entry
+        return entry[1]
+
+
+def _fence(engine: sqlalchemy.Engine, account_id: str) -> int:
+    """The account's next fencing token; a stale pooled connection is retried once.
+
+    A retry may burn a number (the first upsert may have committed before the connection
+    died); tokens only need to grow, so a gap is harmless.
+    """
+    fast = _fence_engine(engine)
+    for attempt in (1, 2):
+        try:
+            with fast.connect() as conn:
+                return next_fence_token(conn, account_id)
+        except sqlalchemy.exc.DBAPIError as exc:
+            if attempt == 2 or not exc.connection_invalidated:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class AccountLock:
+    """The lock of one account, with watchdog renewal, a lost-lock signal and fencing.
+
+    Use as a context manager (blocking up to ``LOCK_WAIT_TIMEOUT``, raising
+    :class:`LockNotAcquired`) or call :meth:`acquire` / :meth:`release`. Between them,
+    call :meth:`ensure_held` before every side effect and carry :attr:`fence_token` in
+    every state write. Redis clients should have a ``socket_timeout`` (a hung Redis then
+    fails renewals instead of blocking the watchdog); the local deadline protects the
+    holder either way.
+    """
+
+    def __init__(
+        self,
+        redis: redis.Redis,
+        account_id: str,
+        *,
+        engine: sqlalchemy.Engine,
+        ttl_ms: int | None = None,
+        safety_margin_ms: int | None = None,
+        key_prefix: str | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        settings = get_settings()
+        self.account_id = account_id
+        self.ttl_ms = ttl_ms if ttl_ms is not None else settings.lock_ttl_ms
+        self.safety_margin_ms = (
+            safety_margin_ms if safety_margin_ms is not None else settings.lock_safety_margin_ms
+        )
+        if self.ttl_ms <= 0 or not 0 <= self.safety_margin_ms < self.ttl_ms:
+            raise ValueError("need ttl_ms > 0 and 0 <= safety_margin_ms < ttl_ms")
+        self.key = lock_key(account_id, key_prefix)
+        self.fence_token: int | None = None
+        self.lost_reason: str | None = None
+        self._redis = redis
+        self._engine = engine
+        self._on_lost = on_lost
+        self._queue_key = f"{self.key}:queue"
+        self._waiters_key = f"{self.key}:waiters"
+        self._state = threading.Lock()
+        self._token: str | None = None
+        self._deadline = 0.0
+        self._watchdog: Watchdog | None = None
+        self._renew = redis.register_script(_RENEW_LUA)
+        self._release = redis.register_script(_RELEASE_LUA)
+        self._wait = redis.register_script(_WAIT_LUA)
+        self._cancel = redis.register_script(_CANCEL_LUA)
+
+    # --- acquire ----------------------------------------------------------------------
+
+    def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
+        """Take the lock; True on success, then :attr:`fence_token` is set.
+
+        Non-blocking (the default, or ``timeout <= 0``): one ``SET NX PX``. Blocking:
+        join the FIFO queue and wait up to ``timeout`` seconds (None: forever) for the
+        holder's release to hand the lock over. On success one Postgres round trip
+        takes the fencing token and the watchdog starts; if that step fails the Redis
+        lock is released and the error re-raised.
+        """
+        with self._state:
+            if self._token is not None:
+                raise RuntimeError(f"lock {self.key} is already held by this object")
+        started = _clock()
+        token = secrets.token_hex(16)
+        try:
+            granted_at = self._take(token, blocking, timeout, started)
+        except RedisError:
+            LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
+            raise
+        if granted_at is None:
+            result = "timeout" if blocking and (timeout is None or timeout > 0) else "busy"
+            LOCK_ACQUIRE_SECONDS.labels(result).observe(_clock() - started)
+            return False
+        with self._state:
+            self._token = token
+            self.lost_reason = None
+            self.fence_token = None
+            self._deadline = granted_at + (self.ttl_ms - self.safety_margin_ms) / 1000
+        try:
+            fence = _fence(self._engine, self.account_id)
+        except BaseException:
+            LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
+            self.release()
+            raise
+        with self._state:
+            self.fence_token = fence
+            self._watchdog = Watchdog(
+                lambda: self._renew_tick(token),
+                self.ttl_ms / 3000,
+                name=f"lock-watchdog-{self.account_id}",
+            )
+            self._watchdog.start()
+        LOCK_ACQUIRE_SECONDS.labels("acquired").observe(_clock() - started)
+        log.debug("lock_acquired", account_id=self.account_id, fence_token=fence)
+        return True
+
+    def _take(
+        self, token: str, blocking: bool, timeout: float | None, started: float
+    ) -> float | None:
+        """Get the Redis lock; the clock reading taken before the granting command, or None."""
+        sent = _clock()
+        if self._redis.set(self.key, token, nx=True, px=self.ttl_ms):
+            return sent
+        LOCK_CONTENTION.inc()
+        if not blocking or (timeout is not None and timeout <= 0):
+            return None
+        until = None if timeout is None else started + timeout
+        return self._wait_in_queue(token, until)
+
+    def _slice(self) -> float:
+        """How long one BLPOP blocks before a fallback check (a dead holder, a lost wake)."""
+        slice_s = max(0.05, self.ttl_ms / 3000)
+        socket_timeout = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
+        if socket_timeout:
+            # the BLPOP must return before the client gives up on the socket
+            slice_s = min(slice_s, max(0.01, float(socket_timeout) * 0.8))
+        return slice_s
+
+    def _wait_in_queue(self, token: str, until: float | None) -> float | None:
+        slice_s = self._slice()
+        # a waiter that stops refreshing (killed, paused) is skipped after its lease
+        lease_ms = int((2 * slice_s + 1.0) * 1000)
+        keys = [self.key, self._queue_key, self._waiters_key]
+        wake_key = f"{self.key}:wake:{token}"
+        try:
+            sent = _clock()
+            if self._wait(keys=keys, args=[token, self.ttl_ms, lease_ms]) == 1:
+                return sent
+            while True:
+                remaining = None if until is None else until - _clock()
+                if remaining is not None and remaining <= 0:
+                    break
+                block = slice_s if remaining is None else min(slice_s, remaining)
+                # Redis reads a BLPOP timeout below 1 ms as 0, which blocks forever
+                self._redis.blpop([wake_key], timeout=max(0.01, block))
+                sent = _clock()
+                if self._wait(keys=keys, args=[token, self.ttl_ms, lease_ms]) == 1:
+                    return sent
+        except BaseException:
+            self._leave_queue(keys, token)
+            raise
+        sent = _clock()
+        if self._cancel(keys=keys, args=[token, self.ttl_ms]) == 1:
+            return sent
+        return None
+
+    def _leave_queue(self, keys: list[str], token: str) -> None:
+        """Best effort after an error: leave the queue and give back a lock handed to us."""
+        try:
+            if self._cancel(keys=keys, args=[token, self.ttl_ms]) == 1:
+                self._release(keys=keys, args=[token, self.ttl_ms])
+        except RedisError:
+            pass  # the lease expires; the lock's TTL frees anything handed over
+
+    # --- holding ----------------------------------------------------------------------
+
+    def _renew_tick(self, token: str) -> float | None:
+        """One watchdog step: renew, or mark the lock lost."""
+        watchdog = self._watchdog
+        if self._token != token or (watchdog is not None and watchdog.stopped):
+            return None
+        sent = _clock()
+        try:
+            result = self._renew(keys=[self.key], args=[token, self.ttl_ms])
+        except RedisError as exc:
+            LOCK_RENEWALS.labels("error").inc()
+            left = self._deadline - _clock()
+            log.warning(
+                "lock_renew_failed", account_id=self.account_id, error=str(exc), left_s=left
+            )
+            if left <= 0:
+                self._mark_lost(token, "unreachable")
+                return None
+            # try again soon, but no later than the next regular tick
+            return max(0.01, min(self.ttl_ms / 3000, left / 2))
+        if self._token != token or (watchdog is not None and watchdog.stopped):
+            return None  # released while the renewal was in flight
+        if result == 1:
+            with self._state:
+                if self._token == token and self.lost_reason is None:
+                    self._deadline = sent + (self.ttl_ms - self.safety_margin_ms) / 1000
+            LOCK_RENEWALS.labels("ok").inc()
+            return self.ttl_ms / 3000
+        LOCK_RENEWALS.labels("lost").inc()
+        self._mark_lost(token, "expired" if result == 0 else "stolen")
+        return None
+
+    def _mark_lost(self, token: str, reason: str) -> None:
+        with self._state:
+            if self._token != token or self.lost_reason is not None:
+                return
+            self.lost_reason = reason
+            if self._watchdog is not None:
+                self._watchdog.stop()
+        LOCK_LOST.labels(reason).inc()
+        log.warning(
+            "lock_lost", account_id=self.account_id, reason=reason, fence_token=self.fence_token
+        )
+        if self._on_lost is not None:
+            try:
+                self._on_lost(reason)
+            except Exception:
+                log.exception("lock_on_lost_failed", account_id=self.account_id)
+
+    def ensure_held(self) -> None:
+        """Raise :class:`LockLost` unless the lock is still ours. No network round trip.
+
+        Reads what the watchdog found and checks the local deadline, so a holder that
+        was paused past its TTL stops even before the watchdog runs again.
+        """
+        token = self._token
+        if token is None:
+            raise LockLost(f"lock {self.key} is not held")
+        if self.lost_reason is None and _clock() >= self._deadline:
+            self._mark_lost(token, "deadline")
+        reason = self.lost_reason
+        if reason is not None:
+            raise LockLost(f"lock {self.key} lost ({reason})")
+
+    @property
+    def lost(self) -> bool:
+        """True when the lock was acquired and is no longer safely ours."""
+        try:
+            self.ensure_held()
+        except LockLost:
+            return self._token is not None
+        return False
+
+    @property
+    def held(self) -> bool:
+        """True while acquired, not released and not lost."""
+        return self._token is not None and not self.lost
+
+    # --- release ----------------------------------------------------------------------
+
+    def release(self) -> bool:
+        """Give the lock back: owner-checked, stops the watchdog at once, wakes one waiter.
+
+        Returns True when the lock was ours and is now free or handed to the oldest
+        waiter; False (logged and counted) when it was no longer ours, and False when
+        Redis could not be reached (the TTL frees the lock).
+        """
+        with self._state:
+            token = self._token
+            self._token = None
+            watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
+        if token is None:
+            return False
+        keys = [self.key, self._queue_key, self._waiters_key]
+        try:
+            reply = self._release(keys=keys, args=[token, self.ttl_ms])
+            code = int(reply[0])
+            if code == 2:
+                nxt = _text(reply[1])
+                wake = f"{self.key}:wake:{nxt}"
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.lpush(wake, 1)
+                pipe.pexpire(wake, self.ttl_ms)
+                pipe.execute()
+        except RedisError as exc:
+            log.warning("lock_release_failed", account_id=self.account_id, error=str(exc))
+            return False
+        if code <= 0:
+            LOCK_RELEASE_NOT_OWNER.inc()
+            log.warning(
+                "lock_release_not_owner",
+                account_id=self.account_id,
+                state="expired" if code == 0 else "other_owner",
+                lost_reason=self.lost_reason,
+            )
+            return False
+        log.debug("lock_released", account_id=self.account_id, handed_over=code == 2)
+        return True
+
+    def __enter__(self) -> AccountLock:
+        timeout = get_settings().lock_wait_timeout
+        if not self.acquire(blocking=timeout > 0, timeout=timeout):
+            raise LockNotAcquired(f"account {self.account_id} is locked by another worker")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
