@@ -60,10 +60,18 @@ def fence_params(account_id: str, fence_token: int) -> dict[str, Any]:
     return {"fence_account_id": account_id, "fence_token": fence_token}
 
 
+# the Core variant binds its own names: ``.values(fence_token=...)`` already owns
+# a ``fence_token`` bind parameter in the same statement
+_GUARD_CORE_SQL = FENCE_GUARD_SQL.replace(":fence_account_id", ":fence_guard_account_id").replace(
+    ":fence_token", ":fence_guard_token"
+)
+
+
 def fence_guard(account_id: str, fence_token: int) -> TextClause:
-    """:data:`FENCE_GUARD_SQL` with its parameters bound, for SQLAlchemy Core ``where()``."""
-    return text(FENCE_GUARD_SQL).bindparams(
-        bindparam("fence_account_id", account_id), bindparam("fence_token", fence_token)
+    """:data:`FENCE_GUARD_SQL` with its values bound, for a SQLAlchemy Core ``where()``."""
+    return text(_GUARD_CORE_SQL).bindparams(
+        bindparam("fence_guard_account_id", account_id),
+        bindparam("fence_guard_token", fence_token),
     )
 
 
@@ -113,14 +121,17 @@ def execute_fenced(
     account_id: str,
     fence_token: int,
 ) -> CursorResult[Any]:
-    """Run a fenced UPDATE (one that embeds :data:`FENCE_GUARD_SQL`); raise if fenced out.
+    """Run a fenced UPDATE; raise :class:`FencedOut` if the token is stale.
 
-    The guard's parameters are added to ``params``. When the statement changes no row,
-    one more query tells a stale token (:class:`FencedOut`) from a state condition that
-    simply did not match (the result is returned, ``rowcount == 0``).
+    ``statement`` is text SQL embedding :data:`FENCE_GUARD_SQL` (its parameters are added
+    to ``params`` here) or a Core UPDATE filtered by :func:`fence_guard`. When it changes
+    no row, one more query tells a stale token (:class:`FencedOut`) from a state
+    condition that simply did not match (the result is returned, ``rowcount == 0``).
     """
     merged = dict(params or {})
-    merged.update(fence_params(account_id, fence_token))
+    if isinstance(statement, TextClause):
+        # text SQL embeds FENCE_GUARD_SQL; a Core statement carries fence_guard()'s values
+        merged.update(fence_params(account_id, fence_token))
     result: CursorResult[Any] = conn.execute(statement, merged)
     if result.rowcount == 0:
         check_fence(conn, account_id, fence_token)
