@@ -1,0 +1,253 @@
+"""All the SQL of submission and status: batches, their transactions and idempotency keys.
+
+A submission is one database transaction of three statements whatever the batch size: the
+batch row, then every transaction and its idempotency key in one ``INSERT ... SELECT FROM
+unnest(...)``. Races between identical or overlapping submissions are decided by the unique
+constraints (``ON CONFLICT DO NOTHING``), never by a check-then-insert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DBAPIError
+
+# deadlocks are possible when two batches share transaction ids in different orders; the
+# loser is rolled back whole by PostgreSQL and simply tried again
+_RETRYABLE_SQLSTATES = {"40P01", "40001"}
+_ATTEMPTS = 3
+
+_INSERT_BATCH = text(
+    """
+    INSERT INTO batches (batch_id, account_id, fingerprint, item_count)
+    VALUES (:batch_id, :account_id, :fingerprint, :item_count)
+    ON CONFLICT (batch_id) DO NOTHING
+    RETURNING id
+    """
+)
+
+# one round trip for any number of items; ORDER BY ord keeps the batch order in the ids
+_INSERT_TRANSACTIONS = text(
+    """
+    WITH src AS (
+        SELECT * FROM unnest(
+            CAST(:transaction_ids AS text[]), CAST(:amounts AS bigint[]),
+            CAST(:currencies AS text[]), CAST(:beneficiaries AS text[]),
+            CAST(:descriptions AS text[]), CAST(:keys AS text[]),
+            CAST(:fingerprints AS text[])
+        ) WITH ORDINALITY AS s(transaction_id, amount, currency, beneficiary, description,
+                               idempotency_key, request_fingerprint, ord)
+    ),
+    tx AS (
+        INSERT INTO transactions (batch_pk, account_id, transaction_id, amount, currency,
+                                  beneficiary, description, idempotency_key)
+        SELECT :batch_pk, :account_id, transaction_id, amount, currency,
+               CAST(beneficiary AS jsonb), description, idempotency_key
+        FROM src ORDER BY ord
+        ON CONFLICT DO NOTHING
+        RETURNING id, idempotency_key
+    ),
+    keys AS (
+        INSERT INTO idempotency_keys (key, transaction_pk, request_fingerprint)
+        SELECT tx.idempotency_key, tx.id, src.request_fingerprint
+        FROM tx JOIN src ON src.idempotency_key = tx.idempotency_key
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM tx), (SELECT count(*) FROM keys)
+    """
+)
+
+_EXISTING_TRANSACTIONS = text(
+    """
+    SELECT t.transaction_id, b.batch_id
+    FROM transactions t JOIN batches b ON b.id = t.batch_pk
+    WHERE t.account_id = :account_id
+      AND t.transaction_id = ANY(CAST(:transaction_ids AS text[]))
+      AND t.batch_pk <> :batch_pk
+    """
+)
+
+_BATCH_FINGERPRINT = text("SELECT fingerprint FROM batches WHERE batch_id = :batch_id")
+
+_MARK_ENQUEUED = text("UPDATE batches SET enqueue_count = enqueue_count + 1 WHERE id = :pk")
+
+_PENDING = text("SELECT batch_id FROM batches WHERE status <> 'completed' ORDER BY id LIMIT :limit")
+
+_STATUS_COLUMNS = """
+    SELECT b.batch_id, b.account_id, b.status,
+           t.transaction_id, t.status, t.attempts, t.gateway_payment_id, t.last_error
+    FROM batches b LEFT JOIN transactions t ON t.batch_pk = b.id
+"""
+_STATUS_ALL = text(_STATUS_COLUMNS + " ORDER BY b.id, t.id")
+_STATUS_SOME = text(
+    _STATUS_COLUMNS + " WHERE b.batch_id = ANY(CAST(:batch_ids AS text[])) ORDER BY b.id, t.id"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NewTransaction:
+    """One item of a batch, ready for its row (beneficiary as canonical JSON text)."""
+
+    transaction_id: str
+    amount: int
+    currency: str
+    beneficiary_json: str
+    description: str | None
+    idempotency_key: str
+    request_fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class NewBatch:
+    """A validated batch, ready for its rows."""
+
+    batch_id: str
+    account_id: str
+    fingerprint: str
+    transactions: Sequence[NewTransaction]
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionClash:
+    """An item whose (account_id, transaction_id) already belongs to another batch."""
+
+    index: int
+    transaction_id: str
+    other_batch_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class InsertOutcome:
+    """What the database decided about a submission.
+
+    ``accepted``: rows committed (``batch_pk`` set); ``duplicate``: the same batch_id with
+    the same fingerprint exists; ``conflict``: the batch_id exists with another fingerprint;
+    ``transactions_exist``: some items belong to other batches (``clashes``), nothing kept.
+    """
+
+    status: Literal["accepted", "duplicate", "conflict", "transactions_exist"]
+    batch_pk: int | None = None
+    clashes: list[TransactionClash] = field(default_factory=list)
+
+
+def _retryable(exc: DBAPIError) -> bool:
+    return getattr(exc.orig, "sqlstate", None) in _RETRYABLE_SQLSTATES
+
+
+def insert_batch(engine: Engine, batch: NewBatch) -> InsertOutcome:
+    """Insert a batch, its transactions and their idempotency keys in one transaction.
+
+    All or nothing: unless the outcome is ``accepted`` nothing is left behind. A concurrent
+    submission of the same batch_id waits on the unique index for the first one to commit
+    or roll back, then sees it; so of many identical racers exactly one is ``accepted``.
+    """
+    for attempt in range(1, _ATTEMPTS + 1):
+        try:
+            return _insert_once(engine, batch)
+        except DBAPIError as exc:
+            if attempt == _ATTEMPTS or not _retryable(exc):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _insert_once(engine: Engine, batch: NewBatch) -> InsertOutcome:
+    txs = batch.transactions
+    with engine.connect() as conn, conn.begin() as db_tx:
+        batch_pk = conn.execute(
+            _INSERT_BATCH,
+            {
+                "batch_id": batch.batch_id,
+                "account_id": batch.account_id,
+                "fingerprint": batch.fingerprint,
+                "item_count": len(txs),
+            },
+        ).scalar_one_or_none()
+        if batch_pk is None:
+            existing = conn.execute(_BATCH_FINGERPRINT, {"batch_id": batch.batch_id}).scalar_one()
+            db_tx.rollback()
+            return InsertOutcome("duplicate" if existing == batch.fingerprint else "conflict")
+        inserted, keyed = conn.execute(
+            _INSERT_TRANSACTIONS,
+            {
+                "batch_pk": batch_pk,
+                "account_id": batch.account_id,
+                "transaction_ids": [t.transaction_id for t in txs],
+                "amounts": [t.amount for t in txs],
+                "currencies": [t.currency for t in txs],
+                "beneficiaries": [t.beneficiary_json for t in txs],
+                "descriptions": [t.description for t in txs],
+                "keys": [t.idempotency_key for t in txs],
+                "fingerprints": [t.request_fingerprint for t in txs],
+            },
+        ).one()
+        if inserted == len(txs) and keyed == len(txs):
+            db_tx.commit()
+            return InsertOutcome("accepted", batch_pk=int(batch_pk))
+        clashes = _clashes(conn, batch, int(batch_pk))
+        db_tx.rollback()
+        return InsertOutcome("transactions_exist", clashes=clashes)
+
+
+def _clashes(conn: Connection, batch: NewBatch, batch_pk: int) -> list[TransactionClash]:
+    rows = conn.execute(
+        _EXISTING_TRANSACTIONS,
+        {
+            "account_id": batch.account_id,
+            "transaction_ids": [t.transaction_id for t in batch.transactions],
+            "batch_pk": batch_pk,
+        },
+    ).all()
+    owner = {str(tx_id): str(other) for tx_id, other in rows}
+    return [
+        TransactionClash(i, t.transaction_id, owner[t.transaction_id])
+        for i, t in enumerate(batch.transactions)
+        if t.transaction_id in owner
+    ]
+
+
+def mark_enqueued(engine: Engine, batch_pk: int) -> None:
+    """Count one successful publish of the batch to the broker (``batches.enqueue_count``)."""
+    with engine.begin() as conn:
+        conn.execute(_MARK_ENQUEUED, {"pk": batch_pk})
+
+
+def pending_batch_ids(conn: Connection, limit: int = 1000) -> list[str]:
+    """Ids of batches not ``completed``, oldest first (for the sweeper)."""
+    return [str(r) for r in conn.execute(_PENDING, {"limit": limit}).scalars()]
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRow:
+    """One item of one batch as the status query returns it (item fields None: no items)."""
+
+    batch_id: str
+    account_id: str
+    batch_status: str
+    transaction_id: str | None
+    status: str | None
+    attempts: int | None
+    gateway_payment_id: str | None
+    last_error: str | None
+
+
+def stream_status(
+    conn: Connection, batch_ids: Sequence[str] | None = None, *, chunk: int = 2000
+) -> Iterator[StatusRow]:
+    """Every item of the named batches (all batches when None), batch by batch, in order.
+
+    Streamed through a server-side cursor ``chunk`` rows at a time, so memory stays flat
+    whatever the number of items. ``conn`` must stay open while the iterator is consumed.
+    """
+    streaming = conn.execution_options(stream_results=True, yield_per=chunk)
+    if batch_ids is None:
+        result = streaming.execute(_STATUS_ALL)
+    else:
+        result = streaming.execute(_STATUS_SOME, {"batch_ids": list(batch_ids)})
+    try:
+        for row in result:
+            yield StatusRow(*row)
+    finally:
+        result.close()

@@ -1,0 +1,176 @@
+"""``payment-worker submit`` as a real process: input forms, exit codes, broker down."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from tests.conftest import ROOT, PwEnv
+from tests.integration.test_producer import broker_messages, counts, make_batch
+
+
+def submit(
+    args: list[str], stdin: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "payment_worker.cli", "submit", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def lines(out: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_array_with_one_bad_batch_handles_each_on_its_own(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    bad = make_batch("b-2", tx="two")
+    bad["items"][1]["amount"] = "1000"
+    batches = [make_batch("b-1", tx="one"), bad, make_batch("b-3", tx="three"), 7]
+    path = tmp_path / "batches.json"
+    path.write_text(json.dumps(batches, indent=2))
+
+    proc = submit([str(path)])
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert lines(proc.stdout) == [
+        {"batch_id": "b-1", "status": "accepted", "items": 3, "errors": []},
+        {
+            "batch_id": "b-2",
+            "status": "rejected",
+            "items": 3,
+            "errors": [
+                {
+                    "path": "$.items[1].amount",
+                    "message": "must be an integer in minor units (not a float, boolean or string)",
+                }
+            ],
+        },
+        {"batch_id": "b-3", "status": "accepted", "items": 3, "errors": []},
+        {
+            "batch_id": None,
+            "status": "rejected",
+            "items": 0,
+            "errors": [{"path": "$", "message": "a batch must be a JSON object"}],
+        },
+    ]
+    assert counts(db_conn) == (2, 6, 6)
+    assert broker_messages(pw_env) == ["b-1", "b-3"]
+
+    # the same file again: duplicates are fine, the bad batch still fails
+    again = submit([str(path)])
+    assert [r["status"] for r in lines(again.stdout)] == [
+        "duplicate",
+        "rejected",
+        "duplicate",
+        "rejected",
+    ]
+    assert again.returncode == 2
+    assert broker_messages(pw_env) == ["b-1", "b-3"]
+
+
+def test_single_object_from_stdin_and_json_lines(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    one = submit(["-"], stdin=json.dumps(make_batch("b-1", tx="one")))
+    assert one.returncode == 0, one.stderr
+    assert lines(one.stdout) == [
+        {"batch_id": "b-1", "status": "accepted", "items": 3, "errors": []}
+    ]
+
+    jsonl = tmp_path / "batches.jsonl"
+    jsonl.write_text(
+        json.dumps(make_batch("b-1", tx="one"))
+        + "\n\n"
+        + json.dumps(make_batch("b-2", tx="two"))
+        + "\n"
+    )
+    both = submit([str(jsonl)])
+    assert both.returncode == 0, both.stderr
+    assert [(r["batch_id"], r["status"]) for r in lines(both.stdout)] == [
+        ("b-1", "duplicate"),
+        ("b-2", "accepted"),
+    ]
+    assert counts(db_conn) == (2, 6, 6)
+
+
+def test_a_broken_json_line_is_rejected_alone(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    text = "\n".join(
+        [
+            json.dumps(make_batch("b-1", tx="one")),
+            '{"batch_id": "b-2", ',
+            json.dumps(make_batch("b-3")),
+        ]
+    )
+    proc = submit(["-"], stdin=text)
+    assert proc.returncode == 2
+    out = lines(proc.stdout)
+    assert [(r["batch_id"], r["status"]) for r in out] == [
+        ("b-1", "accepted"),
+        (None, "rejected"),
+        ("b-3", "accepted"),
+    ]
+    assert out[1]["errors"][0]["message"].startswith("line 2 is not valid JSON")
+    assert counts(db_conn) == (2, 6, 6)
+
+
+def test_input_that_is_not_json_exits_2_with_a_clear_message(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    broken = json.dumps([make_batch("b-1")], indent=2)[:-5]  # a truncated array
+    binary = tmp_path / "batch.bin"
+    binary.write_bytes(b"\x80\xff{}")
+    cases = {
+        "truncated": submit(["-"], stdin=broken),
+        "garbage": submit(["-"], stdin="hello, world"),
+        "empty": submit(["-"], stdin=""),
+        "missing file": submit([str(tmp_path / "nope.json")]),
+        "binary": submit([str(binary)]),
+    }
+    for name, proc in cases.items():
+        assert proc.returncode == 2, name
+        assert proc.stdout == "", name
+        assert proc.stderr.startswith("payment-worker submit: "), (name, proc.stderr)
+        assert "Traceback" not in proc.stderr, name
+    assert "input is not valid JSON" in cases["truncated"].stderr
+    assert "cannot read" in cases["missing file"].stderr
+    assert "not UTF-8" in cases["binary"].stderr
+    assert counts(db_conn) == (0, 0, 0)
+
+
+def test_broker_down_submission_succeeds_and_batch_waits_pending(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    batches = [make_batch("b-1", tx="one"), make_batch("b-2", tx="two"), make_batch("b-3")]
+    started = time.monotonic()
+    proc = submit(
+        ["-"], stdin=json.dumps(batches), env={"CELERY_BROKER_URL": "redis://127.0.0.1:1/0"}
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr
+    assert [r["status"] for r in lines(proc.stdout)] == ["accepted"] * 3
+    assert "sweeper" in proc.stderr
+    assert "enqueue_failed" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # one failed publish, then the rest are not tried: no long stall per batch
+    assert proc.stderr.count("enqueue_failed") == 1
+    assert elapsed < 20
+    rows = db_conn.execute("SELECT batch_id, status, enqueue_count FROM batches ORDER BY id")
+    assert rows.fetchall() == [("b-1", "pending", 0), ("b-2", "pending", 0), ("b-3", "pending", 0)]
+    assert counts(db_conn) == (3, 9, 9)
+    assert broker_messages(pw_env) == []
