@@ -57,6 +57,8 @@ class Settings(BaseSettings):
     gateway_rate_overrides: dict[str, float] = Field(default_factory=dict)
     # refresh a token when less than this share of its lifetime is left (plus jitter)
     gateway_token_refresh_fraction: float = Field(0.2, gt=0, lt=1)
+    # longest wait for an account's pacing slot (or 429 cooldown) before a call gives up (RETRY)
+    gateway_pacing_max_wait: float = Field(10.0, gt=0)
 
     # --- account lock and fencing ---------------------------------------------------------
     lock_ttl_ms: int = Field(30_000, gt=0)

@@ -22,6 +22,8 @@ import redis
 
 from payment_worker.settings import Settings, get_settings
 
+pytest_plugins = ["tests.sim_fixtures"]
+
 ROOT = Path(__file__).resolve().parents[1]
 # per pytest session, so that two sessions on one server never drop each other's template
 TEMPLATE_DB = f"pw_tmpl_{os.getpid()}"

@@ -47,6 +47,11 @@ GATEWAY_TOKEN_REFRESHES = Counter(
 GATEWAY_RATE_LIMITED = Counter(
     "pw_gateway_rate_limited_total", "HTTP 429 answers from the gateway.", ["endpoint"]
 )
+GATEWAY_UNAUTHORIZED = Counter(
+    "pw_gateway_unauthorized_total",
+    "HTTP 401 invalid_token answers (each leads to one compare-and-refresh).",
+    ["endpoint"],
+)
 GATEWAY_PACING_WAIT_SECONDS = Histogram(
     "pw_gateway_pacing_wait_seconds",
     "Time spent waiting for the per-account request quota.",

@@ -1,0 +1,216 @@
+"""The gateway client: create and look up payments, classified into outcomes.
+
+One :class:`GatewayClient` per process, shared by its threads. It owns one pooled
+``httpx.Client`` with explicit connect/read timeouts, takes the account's shared token
+(:mod:`payment_worker.gateway.tokens`) and a pacing slot (:mod:`payment_worker.gateway.pacing`)
+before every request, and turns every answer into a :class:`GatewayResult` through the
+tables of :mod:`payment_worker.gateway.outcomes`. It raises only for programming errors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import redis
+
+from payment_worker.gateway.outcomes import (
+    GatewayResult,
+    Outcome,
+    classify_create,
+    classify_lookup,
+    classify_transport_error,
+    not_sent,
+)
+from payment_worker.gateway.pacing import Pacer
+from payment_worker.gateway.tokens import TokenManager
+from payment_worker.observability.logging import get_logger
+from payment_worker.observability.metrics import (
+    GATEWAY_RATE_LIMITED,
+    GATEWAY_REQUEST_SECONDS,
+    GATEWAY_REQUESTS,
+    GATEWAY_UNAUTHORIZED,
+)
+from payment_worker.payments import PaymentRequest
+from payment_worker.settings import Settings, get_settings
+
+log = get_logger("gateway.client")
+
+Classifier = Callable[[int, httpx.Headers, bytes], GatewayResult]
+
+
+def check_idempotency_key(key: str) -> None:
+    """Raise ValueError unless ``key`` is 1 to 255 printable ASCII characters (the protocol)."""
+    if not 1 <= len(key) <= 255 or not all(0x20 <= ord(c) <= 0x7E for c in key):
+        raise ValueError(f"invalid Idempotency-Key {key!r}: need 1-255 printable ASCII chars")
+
+
+class GatewayClient:
+    """Thread-safe client of the aggregator protocol (``shared/gateway-protocol.md``)."""
+
+    def __init__(self, settings: Settings | None = None, redis: redis.Redis | None = None) -> None:
+        self._settings = settings if settings is not None else get_settings()
+        s = self._settings
+        if redis is None:
+            from payment_worker.services import redis_url
+
+            redis = _redis_from_url(redis_url(s))
+        self._redis = redis
+        self._http = httpx.Client(
+            base_url=s.gateway_url,
+            timeout=httpx.Timeout(
+                connect=s.gateway_connect_timeout,
+                read=s.gateway_read_timeout,
+                write=s.gateway_read_timeout,
+                pool=s.gateway_connect_timeout,
+            ),
+            limits=httpx.Limits(
+                max_connections=s.gateway_pool_size,
+                max_keepalive_connections=s.gateway_pool_size,
+            ),
+            headers={"Accept": "application/json"},
+        )
+        self.tokens = TokenManager(
+            redis,
+            self._fetch_token,
+            prefix=s.redis_key_prefix,
+            refresh_fraction=s.gateway_token_refresh_fraction,
+            # longer than one token request can take, so a live refresher keeps the lock
+            lock_ttl=s.gateway_connect_timeout + s.gateway_read_timeout + 1.0,
+        )
+        self.pacer = Pacer(redis, prefix=s.redis_key_prefix)
+
+    # --- the protocol -----------------------------------------------------------------
+    def create_payment(
+        self, account_id: str, transaction: PaymentRequest, idempotency_key: str
+    ) -> GatewayResult:
+        """``POST /v1/accounts/{account_id}/payments`` with the transaction's stable key."""
+        if transaction.account_id != account_id:
+            raise ValueError(
+                f"transaction {transaction.transaction_id!r} belongs to account "
+                f"{transaction.account_id!r}, not {account_id!r}"
+            )
+        check_idempotency_key(idempotency_key)
+        path = f"/v1/accounts/{_seg(account_id)}/payments"
+        return self._call(
+            "create",
+            account_id,
+            classify_create,
+            lambda token: self._http.post(
+                path,
+                json=transaction.body(),
+                headers={"Authorization": f"Bearer {token}", "Idempotency-Key": idempotency_key},
+            ),
+        )
+
+    def lookup_payment(self, account_id: str, idempotency_key: str) -> GatewayResult:
+        """``GET /v1/accounts/{account_id}/payments/{idempotency_key}``."""
+        check_idempotency_key(idempotency_key)
+        path = f"/v1/accounts/{_seg(account_id)}/payments/{_seg(idempotency_key)}"
+        return self._call(
+            "lookup",
+            account_id,
+            classify_lookup,
+            lambda token: self._http.get(path, headers={"Authorization": f"Bearer {token}"}),
+        )
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # --- internals ----------------------------------------------------------------------
+    def _call(
+        self,
+        endpoint: str,
+        account_id: str,
+        classify: Classifier,
+        send: Callable[[str], httpx.Response],
+    ) -> GatewayResult:
+        rejected: str | None = None
+        result: GatewayResult | None = None
+        # at most two sends: the second only after a 401 and a compare-and-refresh
+        for _ in range(2):
+            token = self.tokens.get(account_id, rejected=rejected)
+            if isinstance(token, GatewayResult):
+                if token.retry_after is not None:
+                    self.pacer.cooldown(account_id, token.retry_after)
+                return self._done(endpoint, account_id, token)
+            paced = self.pacer.acquire(
+                account_id,
+                self._settings.rate_for(account_id),
+                self._settings.gateway_pacing_max_wait,
+            )
+            if not paced.acquired:
+                res = not_sent(
+                    "paced",
+                    f"account paced or cooling down for {paced.retry_after:.3f}s more",
+                    retry_after=paced.retry_after,
+                )
+                return self._done(endpoint, account_id, res)
+            result = self._send(endpoint, classify, send, token)
+            if result.http_status == 429:
+                GATEWAY_RATE_LIMITED.labels(endpoint=endpoint).inc()
+                self.pacer.cooldown(account_id, result.retry_after or 1.0)
+            if result.http_status != 401:
+                break
+            GATEWAY_UNAUTHORIZED.labels(endpoint=endpoint).inc()
+            rejected = token
+        assert result is not None
+        return self._done(endpoint, account_id, result)
+
+    def _send(
+        self,
+        endpoint: str,
+        classify: Classifier,
+        send: Callable[[str], httpx.Response],
+        token: str,
+    ) -> GatewayResult:
+        start = time.perf_counter()
+        try:
+            resp = send(token)
+        except httpx.TransportError as exc:
+            return classify_transport_error(exc)
+        finally:
+            GATEWAY_REQUEST_SECONDS.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+        return classify(resp.status_code, resp.headers, resp.content)
+
+    def _done(self, endpoint: str, account_id: str, result: GatewayResult) -> GatewayResult:
+        GATEWAY_REQUESTS.labels(endpoint=endpoint, outcome=result.outcome.value).inc()
+        if result.outcome in (Outcome.UNKNOWN, Outcome.PERMANENT) or (
+            result.outcome is Outcome.RETRY and result.http_status != 409
+        ):
+            log.warning(
+                "gateway answer",
+                endpoint=endpoint,
+                account_id=account_id,
+                outcome=result.outcome.value,
+                error_class=result.error_class,
+                error=result.error,
+            )
+        return result
+
+    def _fetch_token(self, account_id: str) -> httpx.Response:
+        body: dict[str, Any] = {
+            "grant_type": "client_credentials",
+            "client_id": account_id,
+            "client_secret": self._settings.gateway_client_secret.get_secret_value(),
+        }
+        return self._http.post("/oauth/token", json=body)
+
+
+def _seg(value: str) -> str:
+    """One URL path segment, percent-encoded."""
+    return quote(value, safe="")
+
+
+def _redis_from_url(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url)

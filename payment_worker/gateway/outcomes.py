@@ -1,0 +1,208 @@
+"""What a gateway answer means for the worker: the classification table of the protocol.
+
+Every answer (an HTTP status, or a transport failure) maps to exactly one :class:`Outcome`.
+The tables below are the single place where that mapping lives; they follow
+``shared/gateway-protocol.md`` row by row. Anything the page does not list is treated as
+"maybe sent" (UNKNOWN), because only a lookup can prove a payment was not applied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from enum import StrEnum
+from typing import Any
+
+import httpx
+
+
+class Outcome(StrEnum):
+    """What the worker should do with a transaction after one gateway answer."""
+
+    SUCCEEDED = "succeeded"  # 201, 200 replay; lookup 200 whose stored http_status is 201
+    DECLINED = "declined"  # 402 (final); lookup 200 whose stored http_status is 402
+    PERMANENT = "permanent"  # 400, 422
+    RETRY = "retry"  # not applied: 401 (after one refresh), 409, 429, 503, nothing sent
+    UNKNOWN = "unknown"  # read timeout, reset after sending, 500, 502, 504
+    NOT_FOUND = "not_found"  # lookup 404: never applied -> safe to resend with the same key
+    IN_FLIGHT = "in_flight"  # lookup 409
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayResult:
+    """One classified gateway answer."""
+
+    outcome: Outcome
+    http_status: int | None  # None when no HTTP answer
+    payment_id: str | None = None
+    reason: str | None = None  # decline reason, the protocol's "error" code, or a transport kind
+    retry_after: float | None = None  # seconds, from Retry-After on 429
+    replayed: bool = False  # Idempotent-Replayed: true
+    error: str | None = None  # short human text for last_error
+
+    @property
+    def error_class(self) -> str:
+        """A short, bounded label of what went wrong, e.g. ``http_503`` or ``timeout``."""
+        if self.outcome is Outcome.DECLINED:
+            return f"declined:{self.reason or 'unspecified'}"
+        if self.http_status is None:
+            return self.reason or "transport_error"
+        return f"http_{self.http_status}"
+
+
+# --- the tables ---------------------------------------------------------------------------
+# POST /v1/accounts/{account_id}/payments
+CREATE_TABLE: dict[int, Outcome] = {
+    201: Outcome.SUCCEEDED,
+    200: Outcome.SUCCEEDED,  # replay of a stored 201
+    402: Outcome.DECLINED,
+    400: Outcome.PERMANENT,
+    401: Outcome.RETRY,  # the client refreshes once and retries before returning this
+    409: Outcome.RETRY,
+    422: Outcome.PERMANENT,
+    429: Outcome.RETRY,
+    500: Outcome.UNKNOWN,
+    502: Outcome.UNKNOWN,
+    503: Outcome.RETRY,  # the protocol: nothing was applied
+    504: Outcome.UNKNOWN,
+}
+
+# GET /v1/accounts/{account_id}/payments/{idempotency_key}; a 200 is classified by the
+# stored answer's "http_status" (LOOKUP_STORED_TABLE)
+LOOKUP_TABLE: dict[int, Outcome] = {
+    404: Outcome.NOT_FOUND,
+    409: Outcome.IN_FLIGHT,
+    400: Outcome.PERMANENT,
+    401: Outcome.RETRY,
+    429: Outcome.RETRY,
+    500: Outcome.UNKNOWN,
+    502: Outcome.UNKNOWN,
+    503: Outcome.RETRY,
+    504: Outcome.UNKNOWN,
+}
+LOOKUP_STORED_TABLE: dict[int, Outcome] = {201: Outcome.SUCCEEDED, 402: Outcome.DECLINED}
+
+# Transport failures, by the httpx exception class (the first matching base class wins).
+# Connect errors and pool timeouts happen before a single byte of the request was sent.
+TRANSPORT_TABLE: tuple[tuple[type[httpx.TransportError], Outcome, str], ...] = (
+    (httpx.ConnectTimeout, Outcome.RETRY, "connect_timeout"),
+    (httpx.ConnectError, Outcome.RETRY, "connect_error"),
+    (httpx.PoolTimeout, Outcome.RETRY, "pool_timeout"),
+    (httpx.ReadTimeout, Outcome.UNKNOWN, "timeout"),
+    (httpx.WriteTimeout, Outcome.UNKNOWN, "timeout"),
+    (httpx.RemoteProtocolError, Outcome.UNKNOWN, "reset"),
+    (httpx.ReadError, Outcome.UNKNOWN, "reset"),
+    (httpx.WriteError, Outcome.UNKNOWN, "reset"),
+)
+DEFAULT_RETRY_AFTER = 1.0  # seconds, when a 429 carries no usable Retry-After
+_MAX_ERROR_TEXT = 300
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date)."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(text)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if math.isnan(seconds) or math.isinf(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+def _json_body(content: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(content) if content else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _text(content: bytes) -> str:
+    return content[:_MAX_ERROR_TEXT].decode("utf-8", "replace")
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def classify_create(status: int, headers: httpx.Headers, content: bytes) -> GatewayResult:
+    """Classify the answer to a create-payment request."""
+    body = _json_body(content)
+    outcome = CREATE_TABLE.get(status, Outcome.UNKNOWN)
+    return _result(outcome, status, headers, body, content)
+
+
+def classify_lookup(status: int, headers: httpx.Headers, content: bytes) -> GatewayResult:
+    """Classify the answer to a lookup; a 200 is judged by the stored ``http_status``."""
+    body = _json_body(content)
+    if status == 200:
+        stored = body.get("http_status")
+        outcome = (
+            LOOKUP_STORED_TABLE.get(stored, Outcome.UNKNOWN)
+            if isinstance(stored, int)
+            else Outcome.UNKNOWN
+        )
+    elif status == 404 and body.get("error") != "not_found":
+        # a 404 that is not the protocol's (a wrong URL, a proxy) proves nothing
+        outcome = Outcome.UNKNOWN
+    else:
+        outcome = LOOKUP_TABLE.get(status, Outcome.UNKNOWN)
+    return _result(outcome, status, headers, body, content)
+
+
+def _result(
+    outcome: Outcome,
+    status: int,
+    headers: httpx.Headers,
+    body: dict[str, Any],
+    content: bytes,
+) -> GatewayResult:
+    reason = _str_or_none(body.get("reason")) if outcome is Outcome.DECLINED else None
+    if reason is None:
+        reason = _str_or_none(body.get("error"))
+    retry_after: float | None = None
+    if status == 429:
+        retry_after = parse_retry_after(headers.get("retry-after"))
+        if retry_after is None:
+            retry_after = DEFAULT_RETRY_AFTER
+    good = outcome in (Outcome.SUCCEEDED, Outcome.DECLINED)
+    return GatewayResult(
+        outcome=outcome,
+        http_status=status,
+        payment_id=_str_or_none(body.get("payment_id")),
+        reason=reason,
+        retry_after=retry_after,
+        replayed=headers.get("idempotent-replayed", "").strip().lower() == "true",
+        error=None if good else f"HTTP {status}: {_text(content)}".strip(),
+    )
+
+
+def classify_transport_error(exc: httpx.TransportError) -> GatewayResult:
+    """Classify a request that got no HTTP answer."""
+    outcome, reason = next(
+        ((o, r) for kind, o, r in TRANSPORT_TABLE if isinstance(exc, kind)),
+        (Outcome.UNKNOWN, "transport_error"),
+    )
+    text = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
+    return GatewayResult(outcome=outcome, http_status=None, reason=reason, error=text)
+
+
+def not_sent(reason: str, error: str, retry_after: float | None = None) -> GatewayResult:
+    """A request the client did not send (no token, pacing wait too long): safe to retry."""
+    return GatewayResult(
+        outcome=Outcome.RETRY,
+        http_status=None,
+        reason=reason,
+        retry_after=retry_after,
+        error=error[:_MAX_ERROR_TEXT],
+    )

@@ -1,0 +1,409 @@
+"""``payment-worker gateway-sim``: an HTTP simulator of the aggregator protocol, with faults.
+
+Implements every row of ``shared/gateway-protocol.md`` (tokens that revoke earlier ones and
+expire, per-account in-flight and rate limits with ``Retry-After``, idempotent replay, 409
+while a key is in flight, 422 on reuse with another body, 402 declines, lookups) plus fault
+flags (latency, 503, 500/502/504, lost and slow responses). One process, state in memory
+(:mod:`payment_worker.gateway.simulator_state`), served by aiohttp.
+
+Declines: a beneficiary ``account_number`` starting with ``REJECT`` gives 402
+``beneficiary_blocked``; one starting with ``NOFUNDS`` gives 402 ``insufficient_funds``.
+
+Control endpoints (not part of the protocol): ``GET /_sim/ledger``, ``POST /_sim/config``,
+``POST /_sim/reset``, ``POST /_sim/script``, ``GET /_sim/requests?account_id=``,
+``GET /_sim/health``. See docs/gateway.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from payment_worker.gateway.simulator_state import (
+    FAULTS,
+    SimConfig,
+    SimState,
+    Stored,
+    check_body,
+    check_key,
+    retry_after_header,
+)
+
+STATE: web.AppKey[SimState] = web.AppKey("state", SimState)
+_RANDOM_FAULTS = ("503", "500", "502", "504", "lost", "slow")
+_ERROR_CODES = {500: "internal_error", 502: "bad_gateway", 503: "service_unavailable"}
+
+
+@dataclass
+class Answer:
+    """A protocol answer; ``after`` is "slow" or "lost" for the late and dropped ones."""
+
+    status: int
+    body: dict[str, Any] | None
+    headers: dict[str, str] = field(default_factory=dict)
+    after: str | None = None
+
+
+Inner = Callable[[web.Request, SimState, str, dict[str, Any] | None], Awaitable[Answer]]
+
+
+def _rate_limited(retry_after: str) -> Answer:
+    return Answer(429, {"error": "rate_limited"}, {"Retry-After": retry_after})
+
+
+def _bad(detail: str) -> Answer:
+    return Answer(400, {"error": "invalid_request", "detail": detail})
+
+
+def _respond(ans: Answer) -> web.Response:
+    if ans.body is None:
+        return web.Response(status=ans.status, headers=ans.headers)
+    return web.json_response(ans.body, status=ans.status, headers=ans.headers)
+
+
+def _random_fault(st: SimState, kinds: tuple[str, ...]) -> str | None:
+    """At most one fault per request, by one uniform draw over the configured probabilities."""
+    c = st.config
+    probs = {"503": c.p503, "500": c.p500, "502": c.p502, "504": c.p504}
+    probs.update({"lost": c.p_lost, "slow": c.p_slow})
+    if not any(probs[k] > 0 for k in kinds):
+        return None
+    r, acc = st.rng.random(), 0.0
+    for kind in kinds:
+        acc += probs[kind]
+        if r < acc:
+            return kind
+    return None
+
+
+# --- protocol endpoints -------------------------------------------------------------------
+async def token(request: web.Request) -> web.Response:
+    """``POST /oauth/token``: issue a token, revoking the account's earlier ones."""
+    st = request.app[STATE]
+    st.ledger.requests["token"] += 1
+    try:
+        body = json.loads(await request.read())
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or body.get("grant_type") != "client_credentials":
+        return _respond(_bad("grant_type must be client_credentials"))
+    client_id = body.get("client_id")
+    if not isinstance(client_id, str) or not client_id:
+        return _respond(_bad("client_id must be the account id"))
+    entry: list[Any] = [round(st.now(), 6), "token", 0]
+    st.account(client_id).log.append(entry)
+    ans = await _token(st, client_id, body.get("client_secret"))
+    entry[2] = ans.status
+    st.ledger.statuses[str(ans.status)] += 1
+    return _respond(ans)
+
+
+async def _token(st: SimState, account_id: str, secret: Any) -> Answer:
+    c = st.config
+    await asyncio.sleep(st.latency())
+    if not isinstance(secret, str) or secret != c.secret:
+        st.ledger.http_401_invalid_client += 1
+        return Answer(401, {"error": "invalid_client"})
+    scripted = st.next_scripted(account_id, "token")
+    if scripted is not None and scripted["fault"] != "429":
+        code = int(scripted["fault"]) if scripted["fault"].isdigit() else 500
+        return Answer(code, {"error": _ERROR_CODES.get(code, "error")})
+    wait = st.token_rate_wait(account_id)
+    if scripted is not None or wait > 0:
+        st.ledger.http_429["scripted" if scripted else "token"] += 1
+        seconds = float(scripted.get("retry_after", 1)) if scripted else wait
+        return _rate_limited(retry_after_header(seconds))
+    ttl = c.token_ttl
+    return Answer(
+        200,
+        {
+            "access_token": st.issue_token(account_id),
+            "token_type": "Bearer",
+            "expires_in": int(ttl) if float(ttl).is_integer() else ttl,
+        },
+    )
+
+
+async def create_payment(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/accounts/{account_id}/payments``."""
+    return await _account_call(request, "create", _create)
+
+
+async def lookup_payment(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/accounts/{account_id}/payments/{key}``."""
+    return await _account_call(request, "lookup", _lookup)
+
+
+async def _account_call(request: web.Request, endpoint: str, inner: Inner) -> web.StreamResponse:
+    st = request.app[STATE]
+    account_id = request.match_info["account_id"]
+    st.ledger.requests[endpoint] += 1
+    entry: list[Any] = [round(st.now(), 6), endpoint, 0]
+    st.account(account_id).log.append(entry)
+    ans = await _guarded(request, st, account_id, endpoint, inner)
+    entry[2] = "lost" if ans.after == "lost" else ans.status
+    st.ledger.statuses[str(entry[2])] += 1
+    if ans.status == 401:
+        st.ledger.http_401 += 1
+    if ans.after == "slow":
+        await asyncio.sleep(st.config.slow_seconds)
+    elif ans.after == "lost":
+        _reset_connection(request)
+        return web.Response(status=204)  # never written: the connection is gone
+    return _respond(ans)
+
+
+async def _guarded(
+    request: web.Request, st: SimState, account_id: str, endpoint: str, inner: Inner
+) -> Answer:
+    """Authentication, then the account's in-flight and rate limits, then the endpoint."""
+    if not st.token_valid(account_id, request.headers.get("Authorization")):
+        return Answer(401, {"error": "invalid_token"})
+    acct = st.account(account_id)
+    acct.in_flight += 1
+    acct.max_in_flight_seen = max(acct.max_in_flight_seen, acct.in_flight)
+    try:
+        if acct.in_flight > st.config.max_in_flight:
+            st.ledger.http_429["concurrency"] += 1
+            return _rate_limited("1")
+        wait = st.rate_wait(account_id)
+        if wait > 0:
+            st.ledger.http_429["rate"] += 1
+            return _rate_limited(retry_after_header(wait))
+        scripted = st.next_scripted(account_id, endpoint)
+        if scripted is not None and scripted["fault"] == "429":
+            st.ledger.http_429["scripted"] += 1
+            return _rate_limited(retry_after_header(float(scripted.get("retry_after", 1))))
+        return await inner(request, st, account_id, scripted)
+    finally:
+        acct.in_flight -= 1
+
+
+async def _create(
+    request: web.Request, st: SimState, account_id: str, scripted: dict[str, Any] | None
+) -> Answer:
+    key = request.headers.get("Idempotency-Key")
+    why = check_key(key)
+    if why is not None or key is None:
+        return _bad(why or "missing Idempotency-Key header")
+    try:
+        body = json.loads(await request.read())
+    except ValueError:
+        return _bad("body is not JSON")
+    why = check_body(body)
+    if why is not None:
+        return _bad(why)
+    fp = st.body_fingerprint(body)
+    skey = (account_id, key)
+    stored = st.stored.get(skey)
+    if stored is not None:
+        if stored.status is None:
+            return Answer(409, {"error": "idempotency_key_in_use"})
+        if stored.fingerprint != fp:
+            return Answer(422, {"error": "idempotency_key_reused"})
+        replay_status = 200 if stored.status == 201 else stored.status
+        return Answer(replay_status, stored.body, {"Idempotent-Replayed": "true"})
+    entry = st.stored[skey] = Stored(fp)  # in flight from here until decided
+    await asyncio.sleep(st.latency())
+    fault = scripted["fault"] if scripted is not None else _random_fault(st, _RANDOM_FAULTS)
+    if fault == "503":
+        st.stored.pop(skey, None)
+        return Answer(503, {"error": _ERROR_CODES[503]})
+    if fault in ("500", "502", "504"):
+        if scripted is not None and "applied" in scripted:
+            applied = bool(scripted["applied"])
+        else:
+            applied = st.draw(st.config.p_fault_applied)
+        if applied:
+            entry.status, entry.body = st.apply(account_id, body)
+        else:
+            st.stored.pop(skey, None)
+        code = int(fault)
+        return Answer(code, None if code == 504 else {"error": _ERROR_CODES[code]})
+    entry.status, entry.body = st.apply(account_id, body)
+    return Answer(entry.status, entry.body, after=fault if fault in ("lost", "slow") else None)
+
+
+async def _lookup(
+    request: web.Request, st: SimState, account_id: str, scripted: dict[str, Any] | None
+) -> Answer:
+    await asyncio.sleep(st.latency())
+    fault = scripted["fault"] if scripted is not None else _random_fault(st, _RANDOM_FAULTS[:4])
+    if fault in ("503", "500", "502"):
+        return Answer(int(fault), {"error": _ERROR_CODES[int(fault)]})
+    if fault == "504":
+        return Answer(504, None)
+    stored = st.stored.get((account_id, request.match_info["key"]))
+    if stored is None:
+        ans = Answer(404, {"error": "not_found"})
+    elif stored.status is None or stored.body is None:
+        ans = Answer(409, {"error": "idempotency_key_in_use"})
+    else:
+        ans = Answer(200, {**stored.body, "http_status": stored.status})
+    if fault in ("lost", "slow"):
+        ans.after = fault
+    return ans
+
+
+def _reset_connection(request: web.Request) -> None:
+    """Drop the connection with a TCP reset: the client gets no answer at all."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+# --- control endpoints --------------------------------------------------------------------
+async def sim_ledger(request: web.Request) -> web.Response:
+    """``GET /_sim/ledger``: sends per transaction, tokens, 401s, 429s, request counts."""
+    st = request.app[STATE]
+    out = st.ledger.as_dict(st.accounts)
+    out["config"] = st.config.as_dict()
+    return web.json_response(out)
+
+
+async def sim_config(request: web.Request) -> web.Response:
+    """``POST /_sim/config``: change fault flags and limits at runtime."""
+    st = request.app[STATE]
+    try:
+        values = json.loads(await request.read())
+        if not isinstance(values, dict):
+            raise ValueError("expected a JSON object")
+        st.config.update(values)
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    return web.json_response(st.config.as_dict())
+
+
+async def sim_reset(request: web.Request) -> web.Response:
+    """``POST /_sim/reset``: forget tokens, payments, scripts and the ledger (config stays)."""
+    request.app[STATE].reset()
+    return web.json_response({"reset": True})
+
+
+async def sim_script(request: web.Request) -> web.Response:
+    """``POST /_sim/script``: queue forced answers for an account's next requests.
+
+    Body: ``{"account_id": "a", "answers": [{"fault": "429", "retry_after": 2,
+    "endpoint": "create"}]}``; fault is one of 429, 503, 500, 502, 504, lost, slow;
+    endpoint is create, lookup, token or any; ``applied`` (bool) for 500/502/504.
+    """
+    st = request.app[STATE]
+    try:
+        data = json.loads(await request.read())
+        account_id, answers = data["account_id"], data["answers"]
+        for a in answers:
+            if str(a.get("fault")) not in FAULTS:
+                raise ValueError(f"fault must be one of {FAULTS}")
+            a["fault"] = str(a["fault"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return web.json_response({"error": f"bad script: {exc}"}, status=400)
+    st.account(str(account_id)).script.extend(answers)
+    return web.json_response({"queued": len(st.account(str(account_id)).script)})
+
+
+async def sim_requests(request: web.Request) -> web.Response:
+    """``GET /_sim/requests?account_id=``: the account's requests as [t, endpoint, status]."""
+    st = request.app[STATE]
+    acct = st.accounts.get(request.query.get("account_id", ""))
+    return web.json_response({"now": st.now(), "requests": list(acct.log) if acct else []})
+
+
+async def sim_health(_: web.Request) -> web.Response:
+    """``GET /_sim/health``."""
+    return web.json_response({"ok": True})
+
+
+def build_app(config: SimConfig, seed: int | None = None) -> web.Application:
+    """The simulator's aiohttp application."""
+    app = web.Application()
+    app[STATE] = SimState(config, seed)
+    app.router.add_post("/oauth/token", token)
+    app.router.add_post("/v1/accounts/{account_id}/payments", create_payment)
+    app.router.add_get("/v1/accounts/{account_id}/payments/{key}", lookup_payment)
+    app.router.add_get("/_sim/ledger", sim_ledger)
+    app.router.add_post("/_sim/config", sim_config)
+    app.router.add_post("/_sim/reset", sim_reset)
+    app.router.add_post("/_sim/script", sim_script)
+    app.router.add_get("/_sim/requests", sim_requests)
+    app.router.add_get("/_sim/health", sim_health)
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of ``payment-worker gateway-sim``."""
+    d = SimConfig()
+    p = argparse.ArgumentParser(prog="payment-worker gateway-sim", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8700, help="0 picks a free port")
+    p.add_argument("--secret", default=d.secret, help="client secret of every account")
+    p.add_argument("--token-ttl", type=float, default=d.token_ttl, help="token lifetime, s")
+    p.add_argument("--max-in-flight", type=int, default=d.max_in_flight, help="per account")
+    p.add_argument("--rate", type=float, default=d.rate, help="requests/s per account")
+    p.add_argument("--token-rate", type=float, default=d.token_rate, help="token requests/s")
+    p.add_argument("--latency-ms", type=float, default=d.latency_ms)
+    p.add_argument("--latency-jitter-ms", type=float, default=d.latency_jitter_ms)
+    p.add_argument("--p503", type=float, default=d.p503, help="503, nothing applied")
+    p.add_argument("--p500", type=float, default=d.p500, help="500, maybe applied")
+    p.add_argument("--p502", type=float, default=d.p502, help="502, maybe applied")
+    p.add_argument("--p504", type=float, default=d.p504, help="504 without body, maybe applied")
+    p.add_argument("--p-fault-applied", type=float, default=d.p_fault_applied)
+    p.add_argument("--p-lost", type=float, default=d.p_lost, help="applied, connection reset")
+    p.add_argument("--p-slow", type=float, default=d.p_slow, help="applied, answered late")
+    p.add_argument("--slow-seconds", type=float, default=d.slow_seconds)
+    p.add_argument("--seed", type=int, default=None)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """A SimConfig from parsed flags (validated like ``POST /_sim/config``)."""
+    cfg = SimConfig()
+    names = {
+        "token_ttl", "max_in_flight", "rate", "token_rate", "latency_ms", "latency_jitter_ms",
+        "p503", "p500", "p502", "p504", "p_fault_applied", "p_lost", "p_slow", "slow_seconds",
+        "secret",
+    }  # fmt: skip
+    cfg.update({n: getattr(args, n) for n in names})
+    return cfg
+
+
+async def serve(host: str, port: int, config: SimConfig, seed: int | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; prints the ready line once listening."""
+    runner = web.AppRunner(build_app(config, seed), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024, shutdown_timeout=1.0)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    print(f"gateway-sim listening on http://{host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``payment-worker gateway-sim``."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"gateway-sim: {exc}")
+        return 2
+    asyncio.run(serve(args.host, args.port, config, args.seed))
+    return 0

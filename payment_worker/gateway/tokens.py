@@ -1,0 +1,247 @@
+"""Shared access tokens per account: one refresh at a time, ahead of expiry, no stampede.
+
+The protocol revokes every earlier token of an account when it issues a new one, so the
+token is shared by every worker process through Redis and refreshed by one of them at a
+time, under a short owner-checked lock:
+
+- ``{prefix}:token:{account}``: a hash (``token``, ``lead_ms``) whose Redis TTL is the
+  token's remaining lifetime (counted from before the token request was sent, less a
+  transit margin), so validity is judged on the Redis server's clock.
+- ``{prefix}:token-lock:{account}``: the refresh lock, ``SET NX PX`` with a random owner
+  value, released and written through only by its owner (Lua compare-and-delete).
+
+A token is refreshed once its remaining lifetime drops below ``lead_ms``: a share of its
+lifetime drawn per token between half and all of ``GATEWAY_TOKEN_REFRESH_FRACTION``, so
+that many accounts issued together do not all come due together. While one process
+refreshes, the others keep using the current token if it is still valid, or wait for the
+new one. After a 401 the client calls :meth:`TokenManager.get` with ``rejected`` set to
+the token that failed: a refresh happens only if that token is still the cached one.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import redis
+
+from payment_worker.gateway.outcomes import (
+    GatewayResult,
+    Outcome,
+    classify_transport_error,
+    not_sent,
+    parse_retry_after,
+)
+from payment_worker.observability.logging import get_logger
+from payment_worker.observability.metrics import GATEWAY_TOKEN_REFRESHES
+
+log = get_logger("gateway.tokens")
+
+# KEYS[1] lock; ARGV[1] owner. Deletes the lock only if it is still ours.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS[1] lock, KEYS[2] token hash; ARGV: owner, token, lead_ms, ttl_ms.
+# Writes the token only while we still hold the lock: a refresher whose lock expired
+# must not overwrite a newer token.
+_STORE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+local ttl = tonumber(ARGV[4])
+if ttl <= 0 then
+  return 0
+end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'token', ARGV[2], 'lead_ms', ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ttl)
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class CachedToken:
+    """A token read from Redis with its remaining lifetime."""
+
+    token: str
+    remaining_ms: int
+    lead_ms: int
+
+    @property
+    def due(self) -> bool:
+        """True once the token should be refreshed ahead of expiry."""
+        return self.remaining_ms <= self.lead_ms
+
+
+TokenFetcher = Callable[[str], "httpx.Response"]
+
+
+class TokenManager:
+    """Gets an account's shared token from Redis, refreshing it through the gateway when due.
+
+    Thread-safe; one per process is enough. ``fetch`` performs ``POST /oauth/token`` for an
+    account and returns the raw response (the client owns the HTTP connection pool).
+    """
+
+    def __init__(
+        self,
+        redis_client: redis.Redis,
+        fetch: TokenFetcher,
+        prefix: str = "pw",
+        refresh_fraction: float = 0.2,
+        lock_ttl: float = 10.0,
+        poll_interval: float = 0.01,
+    ) -> None:
+        self._redis = redis_client
+        self._fetch = fetch
+        self._prefix = prefix
+        self._fraction = refresh_fraction
+        self._lock_ttl_ms = max(1000, int(lock_ttl * 1000))
+        self._poll = poll_interval
+        self._release = redis_client.register_script(_RELEASE)
+        self._store = redis_client.register_script(_STORE)
+        self._rng = random.Random()
+
+    # --- keys ---------------------------------------------------------------------------
+    def token_key(self, account_id: str) -> str:
+        """The Redis key of an account's shared token."""
+        return f"{self._prefix}:token:{{{account_id}}}"
+
+    def lock_key(self, account_id: str) -> str:
+        """The Redis key of an account's refresh lock."""
+        return f"{self._prefix}:token-lock:{{{account_id}}}"
+
+    # --- reading ----------------------------------------------------------------------
+    def cached(self, account_id: str) -> CachedToken | None:
+        """The account's current shared token, or None when there is none or it expired."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hmget(self.token_key(account_id), ["token", "lead_ms"])
+        pipe.pttl(self.token_key(account_id))
+        (token, lead), pttl = pipe.execute()
+        if token is None or pttl is None or int(pttl) <= 0:
+            return None
+        return CachedToken(_s(token), int(pttl), int(lead or 0))
+
+    # --- the one entry point -----------------------------------------------------------
+    def get(self, account_id: str, rejected: str | None = None) -> str | GatewayResult:
+        """A valid token for ``account_id``, or a not-sent result when none can be had.
+
+        ``rejected``: a token the gateway just answered 401 to. A new token is fetched only
+        if that token is still the shared one; if another worker already replaced it, the
+        replacement is returned and nothing is fetched (compare and refresh).
+        """
+        deadline = time.monotonic() + self._lock_ttl_ms / 1000.0 + 2.0
+        while True:
+            cur = self.cached(account_id)
+            usable = cur is not None and cur.token != rejected
+            if cur is not None and usable and not cur.due:
+                return cur.token
+            owner = self._try_lock(account_id)
+            if owner is not None:
+                try:
+                    # double-check under the lock: the previous holder may just have refreshed
+                    cur = self.cached(account_id)
+                    if cur is not None and cur.token != rejected and not cur.due:
+                        return cur.token
+                    return self._refresh(account_id, owner)
+                finally:
+                    self._release(keys=[self.lock_key(account_id)], args=[owner])
+            if cur is not None and usable:
+                return cur.token  # due, but someone else is refreshing: it is still valid
+            if time.monotonic() >= deadline:
+                return not_sent("token_wait_timeout", "timed out waiting for a token refresh")
+            time.sleep(self._poll)
+
+    # --- internals ----------------------------------------------------------------------
+    def _try_lock(self, account_id: str) -> str | None:
+        owner = secrets.token_hex(12)
+        ok = self._redis.set(self.lock_key(account_id), owner, nx=True, px=self._lock_ttl_ms)
+        return owner if ok else None
+
+    def _refresh(self, account_id: str, owner: str) -> str | GatewayResult:
+        t0 = time.monotonic()
+        try:
+            resp = self._fetch(account_id)
+        except httpx.TransportError as exc:
+            GATEWAY_TOKEN_REFRESHES.labels(result="transport_error").inc()
+            res = classify_transport_error(exc)
+            log.warning("token refresh failed", account_id=account_id, error=res.error)
+            # whatever happened at the gateway, no payment was sent: retry later
+            return not_sent(f"token_{res.reason}", f"token request: {res.error}")
+        token, expires_in = _parse_token(resp)
+        if token is None or expires_in is None:
+            GATEWAY_TOKEN_REFRESHES.labels(result=f"http_{resp.status_code}").inc()
+            return _token_failure(resp)
+        GATEWAY_TOKEN_REFRESHES.labels(result="ok").inc()
+        lifetime_ms = int(expires_in * 1000)
+        # the gateway's clock started at or after t0; keep a small margin for transit
+        margin_ms = min(500, lifetime_ms // 20)
+        elapsed_ms = int((time.monotonic() - t0) * 1000)
+        ttl_ms = lifetime_ms - margin_ms - elapsed_ms
+        lead_ms = int(lifetime_ms * self._fraction * self._rng.uniform(0.5, 1.0))
+        stored = self._store(
+            keys=[self.lock_key(account_id), self.token_key(account_id)],
+            args=[owner, token, lead_ms, ttl_ms],
+        )
+        log.info(
+            "token refreshed",
+            account_id=account_id,
+            expires_in=expires_in,
+            lead_ms=lead_ms,
+            stored=bool(stored),
+        )
+        return token
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _parse_token(resp: httpx.Response) -> tuple[str | None, float | None]:
+    if resp.status_code != 200:
+        return None, None
+    try:
+        data = resp.json()
+    except ValueError:
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    token, expires_in = data.get("access_token"), data.get("expires_in")
+    if not isinstance(token, str) or not token:
+        return None, None
+    if isinstance(expires_in, bool) or not isinstance(expires_in, int | float) or expires_in <= 0:
+        return None, None
+    return token, float(expires_in)
+
+
+def _token_failure(resp: httpx.Response) -> GatewayResult:
+    """A token request that gave no token: the payment was not sent, retry later."""
+    text = resp.text[:200]
+    retry_after = None
+    if resp.status_code == 429:
+        retry_after = parse_retry_after(resp.headers.get("retry-after")) or 1.0
+    log.warning("token request refused", status=resp.status_code, body=text)
+    return GatewayResult(
+        outcome=Outcome.RETRY,
+        http_status=resp.status_code,
+        reason=f"token_{_error_code(resp) or 'error'}",
+        retry_after=retry_after,
+        error=f"token request: HTTP {resp.status_code}: {text}",
+    )
+
+
+def _error_code(resp: httpx.Response) -> str | None:
+    try:
+        data = resp.json()
+    except ValueError:
+        return None
+    code = data.get("error") if isinstance(data, dict) else None
+    return code if isinstance(code, str) else None
