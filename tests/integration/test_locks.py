@@ -1,0 +1,322 @@
+"""The account lock against real Redis and Postgres, in one process (threads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+from prometheus_client import REGISTRY
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from sqlalchemy import Engine
+
+from payment_worker.db.engine import make_engine
+from payment_worker.errors import LockLost, LockNotAcquired
+from payment_worker.locks import AccountLock, lock_is_held, lock_key
+from tests.conftest import PwEnv
+from tests.lock_helpers import TcpProxy
+
+ACCOUNT = "acct-7"
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def engine(pw_env: PwEnv) -> Iterator[Engine]:
+    eng = make_engine(pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    yield eng
+    eng.dispose()
+
+
+def make_lock(r: redis.Redis, engine: Engine, ttl_ms: int = 600, **kw: object) -> AccountLock:
+    return AccountLock(r, ACCOUNT, engine=engine, ttl_ms=ttl_ms, safety_margin_ms=100, **kw)  # type: ignore[arg-type]
+
+
+def test_key_has_the_account_hash_tag() -> None:
+    assert lock_key("acct-1", "pw") == "pw:lock:{acct-1}"
+
+
+def test_acquire_fence_release(redis_client: redis.Redis, engine: Engine) -> None:
+    a = make_lock(redis_client, engine)
+    assert a.key == "pw:lock:{acct-7}"
+    assert a.acquire()
+    assert a.fence_token == 1
+    assert lock_is_held(redis_client, ACCOUNT)
+    a.ensure_held()
+    assert a.held and not a.lost
+    assert 0 < redis_client.pttl(a.key) <= 600
+    assert a.release()
+    assert not lock_is_held(redis_client, ACCOUNT)
+    with pytest.raises(LockLost):
+        a.ensure_held()
+    # the same object can take it again, with a newer token
+    assert a.acquire()
+    assert a.fence_token == 2
+    a.release()
+
+
+def test_second_owner_is_refused_and_counted(redis_client: redis.Redis, engine: Engine) -> None:
+    a, b = make_lock(redis_client, engine), make_lock(redis_client, engine)
+    assert a.acquire()
+    before = metric("pw_lock_contention_total")
+    assert not b.acquire()
+    assert not b.acquire(blocking=True, timeout=0)
+    assert metric("pw_lock_contention_total") == before + 2
+    assert b.fence_token is None
+    a.release()
+    assert b.acquire()
+    assert b.fence_token == 2
+    b.release()
+
+
+def test_release_of_a_lock_we_no_longer_own_deletes_nothing(
+    redis_client: redis.Redis, engine: Engine
+) -> None:
+    a = make_lock(redis_client, engine, ttl_ms=300)
+    assert a.acquire()
+    a._watchdog.stop()  # type: ignore[union-attr]  # let it expire, as after a long pause
+    time.sleep(0.4)
+    b = make_lock(redis_client, engine, ttl_ms=5000)
+    assert b.acquire()
+    before = metric("pw_lock_release_not_owner_total")
+    assert not a.release()
+    assert metric("pw_lock_release_not_owner_total") == before + 1
+    assert redis_client.get(b.key) is not None
+    b.ensure_held()
+    assert b.release()
+
+
+def test_release_stops_the_watchdog_at_once(redis_client: redis.Redis, engine: Engine) -> None:
+    a = AccountLock(redis_client, ACCOUNT, engine=engine, ttl_ms=30_000)  # a tick every 10 s
+    assert a.acquire()
+    watchdog = a._watchdog
+    assert watchdog is not None and watchdog.is_alive()
+    t0 = time.monotonic()
+    assert a.release()
+    released_in = time.monotonic() - t0
+    watchdog.join(1.0)
+    assert not watchdog.is_alive()
+    assert time.monotonic() - t0 < 1.0
+    assert released_in < 0.1
+
+
+def test_renewal_keeps_the_lock_for_ten_ttls(redis_client: redis.Redis, engine: Engine) -> None:
+    ttl_ms = 300
+    a = make_lock(redis_client, engine, ttl_ms=ttl_ms)
+    rival = make_lock(redis_client, engine, ttl_ms=ttl_ms)
+    ok_before = metric("pw_lock_renewals_total", result="ok")
+    assert a.acquire()
+    end = time.monotonic() + 10 * ttl_ms / 1000
+    checks = 0
+    while time.monotonic() < end:
+        a.ensure_held()  # the holder "works" and checks before every side effect
+        assert redis_client.get(a.key) is not None
+        if checks % 10 == 0:
+            assert not rival.acquire()
+        checks += 1
+        time.sleep(0.02)
+    a.ensure_held()
+    renewals = metric("pw_lock_renewals_total", result="ok") - ok_before
+    # at TTL/3 over 10 TTLs: about 30 renewals
+    assert renewals >= 25
+    assert a.release()
+
+
+def test_deleted_key_is_noticed_within_a_third_of_the_ttl(
+    redis_client: redis.Redis, engine: Engine
+) -> None:
+    ttl_ms = 600
+    lost = threading.Event()
+    reasons: list[str] = []
+    a = make_lock(
+        redis_client, engine, ttl_ms=ttl_ms, on_lost=lambda r: (reasons.append(r), lost.set())
+    )
+    before = metric("pw_lock_lost_total", reason="expired")
+    assert a.acquire()
+    time.sleep(0.05)
+    redis_client.delete(a.key)
+    t0 = time.monotonic()
+    assert lost.wait(2)
+    noticed = time.monotonic() - t0
+    assert noticed <= ttl_ms / 3000 + 0.1, noticed
+    assert reasons == ["expired"]
+    assert a.lost and a.lost_reason == "expired"
+    assert metric("pw_lock_lost_total", reason="expired") == before + 1
+    with pytest.raises(LockLost):
+        a.ensure_held()
+    assert not a.release()  # nothing of ours left to delete
+
+
+def test_stolen_key_is_noticed_and_not_extended(redis_client: redis.Redis, engine: Engine) -> None:
+    a = make_lock(redis_client, engine, ttl_ms=600)
+    lost = threading.Event()
+    a._on_lost = lambda _r: lost.set()
+    assert a.acquire()
+    redis_client.set(a.key, "someone-else", px=5000)
+    assert lost.wait(1)
+    assert a.lost_reason == "stolen"
+    assert redis_client.pttl(a.key) > 4000  # the renewal did not touch the other's lock
+    assert not a.release()
+    assert redis_client.get(a.key) == b"someone-else"
+
+
+def test_redis_flushed_and_connections_killed_is_noticed(
+    pw_env: PwEnv, redis_client: redis.Redis, engine: Engine
+) -> None:
+    """What a Redis restart without persistence looks like: data gone, connections dropped."""
+    holder = redis.Redis.from_url(pw_env.redis_url)
+    holder.client_setname("lock-holder")
+    lost = threading.Event()
+    a = make_lock(holder, engine, ttl_ms=600, on_lost=lambda _r: lost.set())
+    assert a.acquire()
+    redis_client.flushdb()
+    for client in redis_client.client_list():
+        if client.get("name") == "lock-holder":
+            redis_client.client_kill_filter(_id=client["id"])
+    t0 = time.monotonic()
+    assert lost.wait(2)
+    assert time.monotonic() - t0 <= 0.2 + 0.1
+    assert a.lost_reason == "expired"
+
+
+def test_unreachable_redis_marks_the_lock_lost_at_the_local_deadline(
+    pw_env: PwEnv, engine: Engine
+) -> None:
+    url = urlsplit(pw_env.redis_url)
+    proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 6379)
+    db = int(url.path.strip("/") or 0)
+    holder = redis.Redis(
+        port=proxy.port,
+        db=db,
+        socket_timeout=0.1,
+        socket_connect_timeout=0.1,
+        retry=Retry(NoBackoff(), 0),  # so that the final release fails fast
+    )
+    lost = threading.Event()
+    ttl_ms, margin_ms = 600, 100
+    a = AccountLock(
+        holder,
+        ACCOUNT,
+        engine=engine,
+        ttl_ms=ttl_ms,
+        safety_margin_ms=margin_ms,
+        on_lost=lambda _r: lost.set(),
+    )
+    errors_before = metric("pw_lock_renewals_total", result="error")
+    assert a.acquire()
+    granted = time.monotonic()
+    proxy.cut()
+    assert lost.wait(3)
+    lost_after = time.monotonic() - granted
+    assert a.lost_reason == "unreachable"
+    assert metric("pw_lock_renewals_total", result="error") > errors_before
+    # never later than the deadline plus one retry step, never before the deadline
+    deadline = (ttl_ms - margin_ms) / 1000
+    assert deadline - 0.05 <= lost_after <= deadline + ttl_ms / 3000, lost_after
+    with pytest.raises(LockLost):
+        a.ensure_held()
+    assert not a.release()  # Redis unreachable: nothing released, the TTL frees it
+
+
+def test_ensure_held_checks_the_deadline_without_the_watchdog(
+    redis_client: redis.Redis, engine: Engine
+) -> None:
+    a = make_lock(redis_client, engine, ttl_ms=300)
+    assert a.acquire()
+    a._watchdog.stop()  # type: ignore[union-attr]  # as if the process had been paused
+    time.sleep(0.25)  # past TTL - margin, before the key expires
+    with pytest.raises(LockLost):
+        a.ensure_held()
+    assert a.lost_reason == "deadline"
+
+
+def test_fence_failure_releases_the_redis_lock(redis_client: redis.Redis) -> None:
+    bad = make_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")
+    a = make_lock(redis_client, bad)
+    with pytest.raises(Exception, match="connect"):
+        a.acquire()
+    assert not lock_is_held(redis_client, ACCOUNT)
+    with pytest.raises(LockLost):
+        a.ensure_held()
+
+
+def test_context_manager(redis_client: redis.Redis, engine: Engine) -> None:
+    with make_lock(redis_client, engine) as a:
+        a.ensure_held()
+        # LOCK_WAIT_TIMEOUT defaults to 0: no wait
+        with pytest.raises(LockNotAcquired), make_lock(redis_client, engine):
+            pass
+    assert not lock_is_held(redis_client, ACCOUNT)
+
+
+def test_blocking_acquire_wakes_on_release_not_on_a_timer(
+    redis_client: redis.Redis, engine: Engine
+) -> None:
+    # with a 30 s TTL the fallback check runs every 10 s: a quick wake can only be the push
+    a = AccountLock(redis_client, ACCOUNT, engine=engine, ttl_ms=30_000)
+    b = AccountLock(redis_client, ACCOUNT, engine=engine, ttl_ms=30_000)
+    assert a.acquire()
+    got: dict[str, float] = {}
+
+    def wait() -> None:
+        if b.acquire(blocking=True, timeout=20):
+            got["at"] = time.monotonic()
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()
+    released = time.monotonic()
+    assert a.release()
+    t.join(5)
+    assert got["at"] - released < 0.2
+    assert b.fence_token == 2
+    b.ensure_held()
+    b.release()
+    assert redis_client.keys("*") == []  # queue, leases and wake lists cleaned up
+
+
+def test_blocking_acquire_times_out_and_leaves_the_queue(
+    redis_client: redis.Redis, engine: Engine
+) -> None:
+    a, b = make_lock(redis_client, engine), make_lock(redis_client, engine)
+    assert a.acquire()
+    t0 = time.monotonic()
+    assert not b.acquire(blocking=True, timeout=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 1.0
+    assert redis_client.llen(f"{a.key}:queue") == 0
+    assert redis_client.hlen(f"{a.key}:waiters") == 0
+    assert a.release()
+    assert not lock_is_held(redis_client, ACCOUNT)  # nothing was handed to the leaver
+
+
+def test_waiters_are_served_in_arrival_order(redis_client: redis.Redis, engine: Engine) -> None:
+    holder = make_lock(redis_client, engine)
+    assert holder.acquire()
+    order: list[int] = []
+    threads = []
+    for i in range(5):
+        lock = make_lock(redis_client, engine)
+
+        def run(lock: AccountLock = lock, i: int = i) -> None:
+            assert lock.acquire(blocking=True, timeout=10)
+            order.append(i)
+            time.sleep(0.01)
+            lock.release()
+
+        t = threading.Thread(target=run)
+        t.start()
+        threads.append(t)
+        # each one is queued before the next arrives
+        while redis_client.llen(f"{holder.key}:queue") < i + 1:
+            time.sleep(0.005)
+    holder.release()
+    for t in threads:
+        t.join(10)
+    assert order == [0, 1, 2, 3, 4]
