@@ -36,7 +36,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from payment_worker import schemas
 from payment_worker.db import batches as db
 from payment_worker.db.engine import get_engine
-from payment_worker.idempotency import canonical_json
 from payment_worker.observability.logging import configure_logging, get_logger
 from payment_worker.observability.metrics import (
     BATCHES_SUBMITTED,
@@ -110,7 +109,12 @@ def _submit(raw: object, s: Settings, *, enqueue: bool) -> tuple[SubmitResult, b
         return _rejected(batch_id, count, exc.errors), False
 
     requests = batch.payment_requests()
-    fp = batch.fingerprint(requests)
+    item_fps = [r.fingerprint() for r in requests]
+    fp = schemas.batch_fingerprint(
+        batch.batch_id,
+        batch.account_id,
+        [(r.transaction_id, f) for r, f in zip(requests, item_fps, strict=True)],
+    )
     window = _DedupWindow(s)
     if window.seen(batch.batch_id, fp):
         SUBMIT_DUPLICATES.labels(layer="redis").inc()
@@ -125,12 +129,12 @@ def _submit(raw: object, s: Settings, *, enqueue: bool) -> tuple[SubmitResult, b
                 transaction_id=r.transaction_id,
                 amount=r.amount,
                 currency=r.currency,
-                beneficiary_json=canonical_json(r.beneficiary),
+                beneficiary=r.beneficiary,
                 description=r.description,
                 idempotency_key=r.idempotency_key,
-                request_fingerprint=r.fingerprint(),
+                request_fingerprint=item_fp,
             )
-            for r in requests
+            for r, item_fp in zip(requests, item_fps, strict=True)
         ],
     )
     engine = get_engine(s)
@@ -153,11 +157,10 @@ def _submit(raw: object, s: Settings, *, enqueue: bool) -> tuple[SubmitResult, b
         SUBMIT_DUPLICATES.labels(layer="postgres").inc()
         return _counted(SubmitResult(batch.batch_id, "duplicate", count)), False
 
-    assert outcome.batch_pk is not None
     log.info("batch_accepted", batch_id=batch.batch_id, items=count)
     failed = False
     if enqueue:
-        failed = not _enqueue(batch.batch_id, outcome.batch_pk, s)
+        failed = not _enqueue(batch.batch_id)
     return _counted(SubmitResult(batch.batch_id, "accepted", count)), failed
 
 
@@ -170,7 +173,7 @@ def _counted(result: SubmitResult) -> SubmitResult:
     return result
 
 
-def _enqueue(batch_id: str, batch_pk: int, s: Settings) -> bool:
+def _enqueue(batch_id: str) -> bool:
     """Publish the batch id; False (logged, counted) when the broker cannot take it."""
     from payment_worker.tasks import enqueue_batch  # imports Celery: only when publishing
 
@@ -185,10 +188,6 @@ def _enqueue(batch_id: str, batch_pk: int, s: Settings) -> bool:
             note="the batch is saved as pending; the sweeper will pick it up",
         )
         return False
-    try:
-        db.mark_enqueued(get_engine(s), batch_pk)
-    except SQLAlchemyError as exc:  # only a counter: the message is out already
-        log.warning("enqueue_count_not_updated", batch_id=batch_id, error=str(exc))
     return True
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
 
 from pydantic import (
@@ -159,27 +159,38 @@ class Batch(BaseModel):
                 transaction_id=item.transaction_id,
                 amount=item.amount,
                 currency=item.currency,
-                beneficiary=item.beneficiary.model_dump(),
+                beneficiary=dict(item.beneficiary),
                 description=item.description,
             )
             for item in self.items
         ]
 
-    def fingerprint(self, requests: Sequence[PaymentRequest] | None = None) -> str:
-        """SHA-256 of the batch's canonical content.
-
-        Items are taken in transaction-id order (ids are unique within a batch), so the same
-        set of payouts sent again in another order is the same batch; an absent and a null
-        description are the same, as they are on the wire.
-        """
-        reqs = requests if requests is not None else self.payment_requests()
-        return fingerprint(
-            {
-                "batch_id": self.batch_id,
-                "account_id": self.account_id,
-                "items": [r.body() for r in sorted(reqs, key=lambda r: r.transaction_id)],
-            }
+    def fingerprint(self) -> str:
+        """SHA-256 of the batch's canonical content (see :func:`batch_fingerprint`)."""
+        return batch_fingerprint(
+            self.batch_id,
+            self.account_id,
+            [(r.transaction_id, r.fingerprint()) for r in self.payment_requests()],
         )
+
+
+def batch_fingerprint(
+    batch_id: str, account_id: str, item_fingerprints: Iterable[tuple[str, str]]
+) -> str:
+    """SHA-256 of a batch's canonical content, from ``(transaction_id, item fingerprint)`` pairs.
+
+    An item's fingerprint is ``PaymentRequest.fingerprint()``, the SHA-256 of its canonical
+    gateway body, so equal fingerprints mean equal bodies. Items are taken in transaction-id
+    order (ids are unique within a batch): the same set of payouts sent again in another
+    order is the same batch; an absent and a null description are the same, as on the wire.
+    """
+    return fingerprint(
+        {
+            "batch_id": batch_id,
+            "account_id": account_id,
+            "items": sorted(item_fingerprints),
+        }
+    )
 
 
 def _limit(info: ValidationInfo, name: str) -> int | None:

@@ -74,9 +74,9 @@ def test_accepted_batch_is_persisted_whole_then_enqueued(
 
     assert counts(db_conn) == (1, 4, 4)
     batch = db_conn.execute(
-        "SELECT account_id, status, item_count, enqueue_count FROM batches WHERE batch_id = 'b-1'"
+        "SELECT account_id, status, item_count FROM batches WHERE batch_id = 'b-1'"
     ).fetchone()
-    assert batch == ("acct-1", "pending", 4, 1)
+    assert batch == ("acct-1", "pending", 4)
     rows = db_conn.execute(
         "SELECT t.transaction_id, t.amount, t.currency, t.beneficiary, t.description, t.status,"
         " t.idempotency_key, k.key, k.request_fingerprint, k.status"
@@ -187,7 +187,6 @@ def test_enqueue_false_persists_and_leaves_it_to_the_sweeper(
     assert submit_batch(make_batch("b-1"), enqueue=False).status == "accepted"
     assert submit_batch(make_batch("b-2", tx="other"), enqueue=False).status == "accepted"
     assert broker_messages(pw_env) == []
-    assert db_conn.execute("SELECT sum(enqueue_count) FROM batches").fetchone() == (0,)
     with get_engine().connect() as conn:
         assert db.pending_batch_ids(conn) == ["b-1", "b-2"]
         assert db.pending_batch_ids(conn, limit=1) == ["b-1"]
