@@ -1,0 +1,289 @@
+"""GatewayClient against the real simulator and real Redis: every outcome, end to end."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from pydantic import SecretStr
+
+from payment_worker.gateway import GatewayClient, Outcome
+from payment_worker.payments import PaymentRequest
+from payment_worker.settings import Settings
+from tests.conftest import PwEnv
+from tests.sim_fixtures import SimHandle
+
+ACCT = "acct-1"
+
+
+def tx(
+    tx_id: str = "tx-1", number: str = "1234567890", amount: int = 150000, account: str = ACCT
+) -> PaymentRequest:
+    return PaymentRequest(
+        account_id=account,
+        transaction_id=tx_id,
+        amount=amount,
+        currency="IDR",
+        beneficiary={"bank_code": "014", "account_number": number, "name": "Budi"},
+    )
+
+
+def make_settings(**overrides: Any) -> Settings:
+    # pw_env and gateway_sim have set REDIS_URL / GATEWAY_URL in the environment
+    return Settings().model_copy(update=overrides)
+
+
+@pytest.fixture
+def client(pw_env: PwEnv, gateway_sim: SimHandle) -> Iterator[GatewayClient]:
+    c = GatewayClient(make_settings(gateway_read_timeout=0.5))
+    yield c
+    c.close()
+
+
+def create(client: GatewayClient, p: PaymentRequest) -> Any:
+    return client.create_payment(p.account_id, p, p.idempotency_key)
+
+
+def test_201_succeeded_then_replay(client: GatewayClient, gateway_sim: SimHandle) -> None:
+    first = create(client, tx())
+    assert (first.outcome, first.http_status, first.replayed) == (Outcome.SUCCEEDED, 201, False)
+    assert first.payment_id
+    # a second PaymentRequest of the same transaction derives the same key: a replay
+    again = create(client, tx())
+    assert (again.outcome, again.http_status, again.replayed) == (Outcome.SUCCEEDED, 200, True)
+    assert again.payment_id == first.payment_id
+    assert gateway_sim.ledger()["sends"] == {f"{ACCT}/tx-1": 1}
+
+
+def test_the_key_sent_is_the_one_given(client: GatewayClient) -> None:
+    p = tx()
+    assert create(client, p).outcome is Outcome.SUCCEEDED
+    found = client.lookup_payment(ACCT, p.idempotency_key)
+    assert (found.outcome, found.http_status) == (Outcome.SUCCEEDED, 200)
+
+
+def test_402_declined(client: GatewayClient) -> None:
+    r = create(client, tx(number="REJECT-77"))
+    assert (r.outcome, r.reason, r.error_class) == (
+        Outcome.DECLINED,
+        "beneficiary_blocked",
+        "declined:beneficiary_blocked",
+    )
+    looked = client.lookup_payment(ACCT, tx(number="REJECT-77").idempotency_key)
+    assert (looked.outcome, looked.reason) == (Outcome.DECLINED, "beneficiary_blocked")
+
+
+def test_422_permanent_on_same_key_other_body(client: GatewayClient) -> None:
+    p = tx(amount=100)
+    assert create(client, p).outcome is Outcome.SUCCEEDED
+    r = client.create_payment(ACCT, tx(amount=999), p.idempotency_key)
+    assert (r.outcome, r.http_status, r.reason) == (
+        Outcome.PERMANENT,
+        422,
+        "idempotency_key_reused",
+    )
+
+
+def test_409_retry_while_the_same_key_is_in_flight(
+    client: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    assert client.lookup_payment(ACCT, "pw1-warm").outcome is Outcome.NOT_FOUND  # token ready
+    gateway_sim.configure(max_in_flight=5, latency_ms=400)
+    p = tx()
+    results: list[Any] = []
+    t = threading.Thread(target=lambda: results.append(create(client, p)))
+    t.start()
+    time.sleep(0.15)
+    second = create(client, p)
+    t.join()
+    assert results[0].outcome is Outcome.SUCCEEDED
+    assert (second.outcome, second.http_status) == (Outcome.RETRY, 409)
+    assert gateway_sim.ledger()["payments_sent"] == 1
+
+
+def test_429_retry_records_a_cooldown_for_every_process(
+    client: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.script(ACCT, {"fault": "429", "retry_after": 2})
+    r = create(client, tx())
+    assert (r.outcome, r.http_status, r.retry_after) == (Outcome.RETRY, 429, 2.0)
+    wait = client.pacer.try_acquire(ACCT, 20.0)  # what any process sees now
+    assert 1.8 <= wait <= 2.0
+
+
+@pytest.mark.parametrize(
+    ("fault", "outcome", "status"),
+    [
+        ("503", Outcome.RETRY, 503),
+        ("500", Outcome.UNKNOWN, 500),
+        ("502", Outcome.UNKNOWN, 502),
+        ("504", Outcome.UNKNOWN, 504),
+    ],
+)
+def test_5xx(
+    client: GatewayClient, gateway_sim: SimHandle, fault: str, outcome: Outcome, status: int
+) -> None:
+    gateway_sim.script(ACCT, {"fault": fault, "applied": True, "endpoint": "create"})
+    r = create(client, tx())
+    assert (r.outcome, r.http_status, r.error_class) == (outcome, status, f"http_{status}")
+    looked = client.lookup_payment(ACCT, tx().idempotency_key)
+    # 503 applied nothing; the others did here (applied: true), which only a lookup tells
+    expected = Outcome.NOT_FOUND if fault == "503" else Outcome.SUCCEEDED
+    assert looked.outcome is expected
+
+
+def test_lost_response_is_unknown_and_a_lookup_finds_the_payment(
+    client: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.configure(p_lost=1.0)
+    r = create(client, tx())
+    assert (r.outcome, r.http_status, r.error_class) == (Outcome.UNKNOWN, None, "reset")
+    gateway_sim.configure(p_lost=0.0)
+    looked = client.lookup_payment(ACCT, tx().idempotency_key)
+    assert looked.outcome is Outcome.SUCCEEDED and looked.payment_id
+    again = create(client, tx())  # resending under the same key is a replay, not a payment
+    assert (again.outcome, again.replayed, again.payment_id) == (
+        Outcome.SUCCEEDED,
+        True,
+        looked.payment_id,
+    )
+    assert gateway_sim.ledger()["sends"] == {f"{ACCT}/tx-1": 1}
+
+
+def test_slow_response_is_unknown_and_a_lookup_finds_the_payment(
+    client: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.configure(p_slow=1.0, slow_seconds=2.0)
+    start = time.monotonic()
+    r = create(client, tx())
+    assert time.monotonic() - start < 1.5  # the read timeout (0.5 s) ended the wait
+    assert (r.outcome, r.http_status, r.error_class) == (Outcome.UNKNOWN, None, "timeout")
+    gateway_sim.configure(p_slow=0.0)
+    looked = client.lookup_payment(ACCT, tx().idempotency_key)
+    assert looked.outcome is Outcome.SUCCEEDED and looked.payment_id
+    assert gateway_sim.ledger()["sends"] == {f"{ACCT}/tx-1": 1}
+
+
+def test_connection_refused_is_retry(pw_env: PwEnv) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    c = GatewayClient(make_settings(gateway_url=f"http://127.0.0.1:{port}"))
+    r = create(c, tx())
+    c.close()
+    # the token request could not connect: nothing was sent
+    assert r.outcome is Outcome.RETRY and r.http_status is None
+    assert r.error_class == "token_connect_error"
+
+
+def test_lookup_not_found_and_in_flight(client: GatewayClient, gateway_sim: SimHandle) -> None:
+    assert client.lookup_payment(ACCT, "pw1-never").outcome is Outcome.NOT_FOUND
+    gateway_sim.configure(max_in_flight=5, latency_ms=400)
+    t = threading.Thread(target=create, args=(client, tx()))
+    t.start()
+    time.sleep(0.15)
+    gateway_sim.configure(latency_ms=0)
+    r = client.lookup_payment(ACCT, tx().idempotency_key)
+    t.join()
+    assert (r.outcome, r.http_status) == (Outcome.IN_FLIGHT, 409)
+
+
+def test_401_refreshes_once_and_retries(client: GatewayClient, gateway_sim: SimHandle) -> None:
+    assert create(client, tx("tx-0")).outcome is Outcome.SUCCEEDED
+    # someone else takes a token for the account: ours is revoked at the gateway
+    grant = {"grant_type": "client_credentials", "client_id": ACCT, "client_secret": "sim-secret"}
+    httpx.post(f"{gateway_sim.url}/oauth/token", json=grant).raise_for_status()
+    r = create(client, tx("tx-1"))
+    assert r.outcome is Outcome.SUCCEEDED
+    ledger = gateway_sim.ledger()
+    assert ledger["http_401"] == 1
+    assert ledger["tokens_issued"] == 3  # ours, the intruder's, our one refresh
+
+
+def test_401_twice_is_retry(client: GatewayClient, gateway_sim: SimHandle) -> None:
+    gateway_sim.configure(token_ttl=0.001, latency_ms=5)  # every token is dead on arrival
+    r = create(client, tx())
+    assert (r.outcome, r.http_status, r.reason) == (Outcome.RETRY, 401, "invalid_token")
+    ledger = gateway_sim.ledger()
+    assert (ledger["requests"]["create"], ledger["payments_sent"]) == (2, 0)
+
+
+def test_wrong_secret_is_retry_and_sends_nothing(pw_env: PwEnv, gateway_sim: SimHandle) -> None:
+    c = GatewayClient(make_settings(gateway_client_secret=SecretStr("wrong")))
+    r = create(c, tx())
+    c.close()
+    assert (r.outcome, r.http_status, r.reason) == (Outcome.RETRY, 401, "token_invalid_client")
+    assert gateway_sim.ledger()["requests"].get("create", 0) == 0
+
+
+def test_pacing_keeps_an_account_under_its_quota(pw_env: PwEnv, gateway_sim: SimHandle) -> None:
+    c = GatewayClient(make_settings(gateway_rate_overrides={ACCT: 5.0}))
+    # warm up: tokens and connections, so that only pacing is timed
+    assert create(c, tx("warm-1")).outcome is create(c, tx("warm-2", account="acct-2")).outcome
+    time.sleep(0.3)
+    start = time.monotonic()
+    results = [create(c, tx(f"tx-{i}")) for i in range(8)]
+    elapsed = time.monotonic() - start
+    start = time.monotonic()
+    other = [create(c, tx(f"tx-{i}", account="acct-2")) for i in range(8)]
+    elapsed_other = time.monotonic() - start
+    c.close()
+    assert all(r.outcome is Outcome.SUCCEEDED for r in results + other)
+    assert elapsed >= 7 / 5 - 0.05  # 8 requests at 5/s: 7 intervals of 0.2 s
+    assert elapsed_other < 1.0  # the default 20/s: 7 intervals of 0.05 s
+    assert gateway_sim.ledger()["http_429"] == 0
+
+
+def test_pacing_wait_longer_than_allowed_returns_retry_without_sending(
+    pw_env: PwEnv, gateway_sim: SimHandle
+) -> None:
+    c = GatewayClient(make_settings(gateway_pacing_max_wait=0.5))
+    c.pacer.cooldown(ACCT, 5.0)
+    start = time.monotonic()
+    r = create(c, tx())
+    c.close()
+    assert time.monotonic() - start < 0.5  # gave up at once instead of sleeping 5 s
+    assert (r.outcome, r.reason) == (Outcome.RETRY, "paced")
+    assert r.retry_after is not None and 4.0 < r.retry_after <= 5.0
+    assert gateway_sim.ledger()["requests"].get("create", 0) == 0
+
+
+def test_programming_errors_raise(client: GatewayClient) -> None:
+    with pytest.raises(ValueError, match="belongs to account"):
+        client.create_payment("acct-2", tx(), tx().idempotency_key)
+    with pytest.raises(ValueError, match="Idempotency-Key"):
+        client.create_payment(ACCT, tx(), "")
+    with pytest.raises(ValueError, match="Idempotency-Key"):
+        client.lookup_payment(ACCT, "x" * 256)
+
+
+def test_default_redis_and_keys_carry_the_prefix_and_hash_tag(
+    client: GatewayClient, redis_client: redis.Redis
+) -> None:
+    assert create(client, tx()).outcome is Outcome.SUCCEEDED
+    keys = sorted(k.decode() for k in redis_client.keys("*"))
+    assert keys == [f"pw:pace:{{{ACCT}}}", f"pw:token:{{{ACCT}}}"]
+
+
+def test_tokens_are_refreshed_ahead_of_expiry_without_401(
+    pw_env: PwEnv, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.configure(token_ttl=1.0)
+    c = GatewayClient(make_settings(gateway_token_refresh_fraction=0.3))
+    deadline = time.monotonic() + 2.6
+    i = 0
+    while time.monotonic() < deadline:
+        assert create(c, tx(f"tx-{i}")).outcome is Outcome.SUCCEEDED
+        i += 1
+        time.sleep(0.05)
+    c.close()
+    ledger = gateway_sim.ledger()
+    assert ledger["http_401"] == 0
+    # 2.6 s of 1 s tokens refreshed 15-30 % early: 3 or 4 tokens, never one per request
+    assert 3 <= ledger["tokens_issued"] <= 4
