@@ -241,11 +241,14 @@ def stream_status(
     Streamed through a server-side cursor ``chunk`` rows at a time, so memory stays flat
     whatever the number of items. ``conn`` must stay open while the iterator is consumed.
     """
-    streaming = conn.execution_options(stream_results=True, yield_per=chunk)
+    # per statement: Connection.execution_options() would change the caller's connection
+    streaming = {"stream_results": True, "yield_per": chunk}
     if batch_ids is None:
-        result = streaming.execute(_STATUS_ALL)
+        result = conn.execute(_STATUS_ALL, execution_options=streaming)
     else:
-        result = streaming.execute(_STATUS_SOME, {"batch_ids": list(batch_ids)})
+        result = conn.execute(
+            _STATUS_SOME, {"batch_ids": list(batch_ids)}, execution_options=streaming
+        )
     try:
         for row in result:
             yield StatusRow(*row)
