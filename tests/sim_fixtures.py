@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,7 @@ def burst_worker(spec: dict[str, Any], ready: Any, go: Any, out: Any) -> None:
         with lock:
             results.append(
                 {
+                    "account": spec["account_id"],
                     "outcome": res.outcome.value,
                     "status": res.http_status,
                     "t0": t0,
@@ -179,3 +181,33 @@ def burst_worker(spec: dict[str, Any], ready: Any, go: Any, out: Any) -> None:
         t.join(60)
     client.close()
     out.put(json.dumps(results))
+
+
+def run_bursts(
+    specs: list[dict[str, Any]], before_go: Callable[[], None] | None = None
+) -> tuple[float, list[list[dict[str, Any]]]]:
+    """Run one ``burst_worker`` process per spec; all threads start together.
+
+    ``before_go`` runs once every process is up and waiting. Returns the wall-clock time
+    of the start signal and each process's results.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    ready, out = ctx.Queue(), ctx.Queue()
+    go = ctx.Event()
+    procs = [ctx.Process(target=burst_worker, args=(spec, ready, go, out)) for spec in specs]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=60)
+        if before_go is not None:
+            before_go()
+        started = time.time()
+        go.set()
+        results = [json.loads(out.get(timeout=120)) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return started, results

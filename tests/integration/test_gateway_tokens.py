@@ -1,0 +1,205 @@
+"""Shared tokens: no stampede across processes, compare-and-refresh, owner-checked lock."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from payment_worker.gateway import GatewayClient, Outcome
+from payment_worker.gateway.tokens import TokenManager
+from payment_worker.payments import PaymentRequest
+from payment_worker.settings import Settings
+from tests.conftest import PwEnv
+from tests.sim_fixtures import SimHandle, run_bursts
+
+ACCT = "acct-s"
+THREADS_PER_PROCESS = [13, 13, 12, 12]  # 50 threads in 4 processes
+
+
+def tx(tx_id: str) -> PaymentRequest:
+    return PaymentRequest(
+        account_id=ACCT,
+        transaction_id=tx_id,
+        amount=1000,
+        currency="IDR",
+        beneficiary={"bank_code": "014", "account_number": "1234567890", "name": "Budi"},
+    )
+
+
+@pytest.fixture
+def busy_account(
+    pw_env: PwEnv, gateway_sim: SimHandle, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[GatewayClient]:
+    """An account that allows 50 concurrent requests, on both sides; a client in this process."""
+    gateway_sim.configure(max_in_flight=100, rate=1000, latency_ms=20, latency_jitter_ms=10)
+    monkeypatch.setenv("GATEWAY_RATE_OVERRIDES", json.dumps({ACCT: 1000}))
+    c = GatewayClient(Settings())
+    yield c
+    c.close()
+
+
+def _specs() -> list[dict[str, Any]]:
+    return [
+        {"threads": n, "account_id": ACCT, "tx_prefix": f"p{i}"}
+        for i, n in enumerate(THREADS_PER_PROCESS)
+    ]
+
+
+def _flat(results: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [r for proc in results for r in proc]
+
+
+def test_expired_token_50_threads_4_processes_one_refresh(
+    busy_account: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    client = busy_account
+    before: dict[str, Any] = {}
+
+    def expire_then_snapshot() -> None:
+        gateway_sim.configure(token_ttl=1.0)
+        assert client.create_payment(ACCT, tx("prime"), tx("prime").idempotency_key).outcome == (
+            Outcome.SUCCEEDED
+        )
+        while client.tokens.cached(ACCT) is not None:  # wait until the shared token expired
+            time.sleep(0.05)
+        time.sleep(0.1)  # and at the gateway too
+        gateway_sim.configure(token_ttl=60)
+        before.update(gateway_sim.ledger())
+
+    _, results = run_bursts(_specs(), before_go=expire_then_snapshot)
+    calls = _flat(results)
+    after = gateway_sim.ledger()
+    assert len(calls) == 50
+    assert all(c["outcome"] == "succeeded" for c in calls), calls
+    assert after["tokens_issued"] - before["tokens_issued"] == 1
+    assert after["http_401"] - before["http_401"] == 0
+    assert after["payments_sent"] - before["payments_sent"] == 50
+    assert after["double_payments"] == []
+    assert after["max_in_flight_seen"][ACCT] > 1  # the threads really were concurrent
+
+
+def test_revoked_token_50_threads_see_401_and_cause_one_refresh(
+    busy_account: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    client = busy_account
+    before: dict[str, Any] = {}
+
+    def revoke_behind_their_back() -> None:
+        assert client.create_payment(ACCT, tx("prime"), tx("prime").idempotency_key).outcome == (
+            Outcome.SUCCEEDED
+        )
+        grant = {
+            "grant_type": "client_credentials",
+            "client_id": ACCT,
+            "client_secret": "sim-secret",
+        }
+        httpx.post(f"{gateway_sim.url}/oauth/token", json=grant).raise_for_status()
+        before.update(gateway_sim.ledger())
+
+    _, results = run_bursts(_specs(), before_go=revoke_behind_their_back)
+    calls = _flat(results)
+    after = gateway_sim.ledger()
+    # every thread got through, on its one retry at most
+    assert len(calls) == 50 and all(c["outcome"] == "succeeded" for c in calls), calls
+    assert after["tokens_issued"] - before["tokens_issued"] == 1  # one refresh, not 50
+    assert 1 <= after["http_401"] - before["http_401"] <= 50
+    assert after["payments_sent"] - before["payments_sent"] == 50
+
+
+def _manager(redis_client: redis.Redis, url: str, lock_ttl: float, **kw: Any) -> TokenManager:
+    http = httpx.Client(base_url=url, timeout=10)
+
+    def fetch(account_id: str) -> httpx.Response:
+        grant = {
+            "grant_type": "client_credentials",
+            "client_id": account_id,
+            "client_secret": "sim-secret",
+        }
+        return http.post("/oauth/token", json=grant)
+
+    return TokenManager(redis_client, fetch, lock_ttl=lock_ttl, **kw)
+
+
+def test_a_refresher_whose_lock_expired_does_not_overwrite_the_newer_token(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.configure(latency_ms=1500)
+    slow = _manager(redis_client, gateway_sim.url, lock_ttl=1.0)
+    other = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(slow=slow.get(ACCT)))
+    t.start()
+    time.sleep(1.2)  # slow's lock has expired, its token request is still running
+    t2 = threading.Thread(target=lambda: got.update(other=other.get(ACCT)))
+    t2.start()
+    t.join()
+    assert isinstance(got["slow"], str)
+    assert slow.cached(ACCT) is None  # its late write was refused: it no longer held the lock
+    t2.join()
+    cached = other.cached(ACCT)
+    assert cached is not None and cached.token == got["other"] != got["slow"]
+    gateway_sim.configure(latency_ms=0)
+    # the cached token is the newest one the gateway issued, so it works
+    with httpx.Client(base_url=gateway_sim.url) as http:
+        r = http.get(
+            f"/v1/accounts/{ACCT}/payments/nope",
+            headers={"Authorization": f"Bearer {cached.token}"},
+        )
+    assert r.status_code == 404
+
+
+def test_a_crashed_refresher_delays_others_only_until_its_lock_expires(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    redis_client.set(mgr.lock_key(ACCT), "dead-owner", px=1200)
+    start = time.monotonic()
+    token = mgr.get(ACCT)
+    elapsed = time.monotonic() - start
+    assert isinstance(token, str)
+    assert 1.0 <= elapsed < 3.0
+    assert gateway_sim.ledger()["tokens_issued"] == 1
+
+
+def test_a_due_token_is_used_while_another_process_refreshes(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    first = mgr.get(ACCT)
+    assert isinstance(first, str)
+    # time passes: the token's remaining lifetime is now inside its refresh lead
+    redis_client.hset(mgr.token_key(ACCT), "lead_ms", 10**9)
+    cached = mgr.cached(ACCT)
+    assert cached is not None and cached.due
+    redis_client.set(mgr.lock_key(ACCT), "someone-else", px=5000)
+    start = time.monotonic()
+    assert mgr.get(ACCT) == first  # no waiting for the other refresher
+    assert time.monotonic() - start < 0.2
+    redis_client.delete(mgr.lock_key(ACCT))
+    second = mgr.get(ACCT)  # due and the lock free: this caller refreshes
+    assert isinstance(second, str) and second != first
+    assert gateway_sim.ledger()["tokens_issued"] == 2
+
+
+def test_refresh_points_are_jittered_across_accounts(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.configure(token_ttl=100, token_rate=100)
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0, refresh_fraction=0.2)
+    leads = []
+    for i in range(40):
+        assert isinstance(mgr.get(f"acct-{i}"), str)
+        cached = mgr.cached(f"acct-{i}")
+        assert cached is not None and not cached.due
+        leads.append(cached.lead_ms)
+    # each token refreshes when 10-20 s of its 100 s are left, not all at the same moment
+    assert all(10_000 <= lead <= 20_000 for lead in leads)
+    assert max(leads) - min(leads) > 5_000
+    assert len(set(leads)) > 35
