@@ -176,6 +176,8 @@ def _free_port() -> int:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
+        # as Redis binds: connections of a killed server in TIME_WAIT do not block the port
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
