@@ -174,3 +174,16 @@ def test_broker_down_submission_succeeds_and_batch_waits_pending(
     assert rows.fetchall() == [("b-1", "pending"), ("b-2", "pending"), ("b-3", "pending")]
     assert counts(db_conn) == (3, 9, 9)
     assert broker_messages(pw_env) == []
+
+
+def test_the_example_file_is_accepted(pw_env: PwEnv, db_conn: psycopg.Connection[Any]) -> None:
+    proc = submit([str(ROOT / "examples" / "sample-batch.json")])
+    assert proc.returncode == 0, proc.stderr
+    out = lines(proc.stdout)
+    assert [(r["status"], r["items"]) for r in out] == [("accepted", 10)] * 3
+    accounts = db_conn.execute("SELECT DISTINCT account_id FROM batches ORDER BY 1").fetchall()
+    assert accounts == [("acct-42",), ("acct-77",)]
+    declined = db_conn.execute(
+        "SELECT count(*) FROM transactions WHERE beneficiary->>'account_number' LIKE 'REJECT%'"
+    ).fetchone()
+    assert declined == (1,)
