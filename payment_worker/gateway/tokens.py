@@ -182,8 +182,8 @@ class TokenManager:
             return _token_failure(resp)
         GATEWAY_TOKEN_REFRESHES.labels(result="ok").inc()
         lifetime_ms = int(expires_in * 1000)
-        # the gateway's clock started at or after t0; keep a small margin for transit
-        margin_ms = min(500, lifetime_ms // 20)
+        # the gateway's clock started at or after t0; a small margin covers request transit
+        margin_ms = min(200, lifetime_ms // 50)
         elapsed_ms = int((time.monotonic() - t0) * 1000)
         ttl_ms = lifetime_ms - margin_ms - elapsed_ms
         lead_ms = int(lifetime_ms * self._fraction * self._rng.uniform(0.5, 1.0))
