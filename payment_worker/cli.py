@@ -77,6 +77,16 @@ def _sweep(_: argparse.Namespace) -> int:
     return 0
 
 
+def _exporter(args: argparse.Namespace) -> int:
+    from payment_worker.observability.exporter import serve
+    from payment_worker.observability.logging import configure_logging
+
+    s = get_settings()
+    configure_logging(s.log_level, s.log_json)
+    serve(args.port if args.port is not None else s.exporter_port, host=args.host)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``payment-worker``."""
     p = argparse.ArgumentParser(prog="payment-worker", description=__doc__)
@@ -111,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("sweep", help="run one sweeper pass now")
     sw.set_defaults(func=_sweep)
+
+    ex = sub.add_parser("exporter", help="serve Postgres state gauges on EXPORTER_PORT /metrics")
+    ex.add_argument("--host", default="0.0.0.0")
+    ex.add_argument("--port", type=int, default=None, help="default: EXPORTER_PORT")
+    ex.set_defaults(func=_exporter)
     return p
 
 

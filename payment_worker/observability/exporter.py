@@ -1,0 +1,126 @@
+"""The exporter: Prometheus /metrics on EXPORTER_PORT with gauges read from Postgres per scrape.
+
+Workers count what they do (observability/metrics.py); the exporter reports what *is*: how
+many transactions sit in each state, open dead letters, and how old the oldest unfinished
+transaction is. It reads Postgres on every scrape (a custom collector), so it holds no
+state, and one exporter serves any number of workers. Labels are bounded: statuses only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import Engine, text
+
+from payment_worker.db.models import BATCH_STATUSES, TERMINAL_TX_STATUSES, TX_STATUSES
+from payment_worker.observability.logging import get_logger
+
+log = get_logger("exporter")
+
+# each scrape is a handful of index-backed aggregates; a slow database must not hang it
+_STATEMENT_TIMEOUT_MS = 5000
+
+_TX_BY_STATUS = text("SELECT status, count(*) FROM transactions GROUP BY status")
+_BATCHES_BY_STATUS = text("SELECT status, count(*) FROM batches GROUP BY status")
+_OPEN_DEAD_LETTERS = text("SELECT count(*) FROM dead_letters WHERE resolved_at IS NULL")
+# spelled like the predicate of the partial indexes on open transactions, so they apply
+_TERMINAL = ", ".join(f"'{s}'" for s in TERMINAL_TX_STATUSES)
+_OLDEST_OPEN_AGE = text(
+    "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0) FROM transactions"
+    f" WHERE status NOT IN ({_TERMINAL})"
+)
+
+
+def _zero_filled(rows: Iterable[tuple[str, int]], statuses: Iterable[str]) -> dict[str, int]:
+    # every status is always exported, so a state that empties shows 0, not a gap
+    counts = dict.fromkeys(statuses, 0)
+    counts.update({status: int(n) for status, n in rows})
+    return counts
+
+
+class PostgresStateCollector(Collector):
+    """Gauges of the service's state, queried from Postgres on each collect()."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        # scrapes from two Prometheus servers must not run the queries twice at once
+        self._lock = threading.Lock()
+
+    def describe(self) -> Iterable[Metric]:
+        """No description up front: registering must not query the database."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Query Postgres and yield the gauges; a failed query sets pw_exporter_up to 0."""
+        started = time.perf_counter()
+        up = GaugeMetricFamily(
+            "pw_exporter_up", "1 if the last scrape could read Postgres, else 0."
+        )
+        try:
+            with self._lock, self._engine.begin() as conn:
+                conn.execute(text(f"SET LOCAL statement_timeout = {_STATEMENT_TIMEOUT_MS}"))
+                conn.execute(text("SET LOCAL transaction_read_only = on"))
+                tx = _zero_filled(conn.execute(_TX_BY_STATUS).tuples(), TX_STATUSES)
+                batches = _zero_filled(conn.execute(_BATCHES_BY_STATUS).tuples(), BATCH_STATUSES)
+                dead_open = int(conn.execute(_OPEN_DEAD_LETTERS).scalar_one())
+                oldest = float(conn.execute(_OLDEST_OPEN_AGE).scalar_one())
+        except Exception as exc:  # any failure is reported as a metric, never as a 500
+            log.warning("scrape_failed", error_class=type(exc).__name__, error=str(exc)[:300])
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+
+        g = GaugeMetricFamily(
+            "pw_transactions", "Transactions by current status.", labels=["status"]
+        )
+        for status, n in tx.items():
+            g.add_metric([status], n)
+        yield g
+        g = GaugeMetricFamily("pw_batches", "Batches by current status.", labels=["status"])
+        for status, n in batches.items():
+            g.add_metric([status], n)
+        yield g
+        yield GaugeMetricFamily(
+            "pw_dead_letters_open", "Dead letters not yet resolved.", value=dead_open
+        )
+        yield GaugeMetricFamily(
+            "pw_oldest_open_transaction_age_seconds",
+            "Age of the oldest transaction not in a terminal state (0 if none).",
+            value=oldest,
+        )
+        yield GaugeMetricFamily(
+            "pw_exporter_scrape_duration_seconds",
+            "Time the last scrape spent reading Postgres.",
+            value=time.perf_counter() - started,
+        )
+
+
+def build_registry(engine: Engine) -> CollectorRegistry:
+    """A registry holding only the Postgres state collector (no worker counters)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PostgresStateCollector(engine))
+    return registry
+
+
+def serve(port: int, host: str = "0.0.0.0", engine: Engine | None = None) -> None:
+    """Serve /metrics on ``host:port`` until interrupted."""
+    from payment_worker.db.engine import make_engine
+    from payment_worker.services import sqlalchemy_url
+
+    # a small pool of its own: a scrape needs one connection at a time
+    engine = engine or make_engine(sqlalchemy_url(), pool_size=1)
+    server, thread = start_http_server(port, addr=host, registry=build_registry(engine))
+    log.info("exporter_listening", host=host, port=server.server_port)
+    try:
+        while thread.is_alive():
+            thread.join(timeout=1.0)
+    finally:
+        server.shutdown()
+        engine.dispose()
