@@ -1,0 +1,219 @@
+"""docker-compose.yml, the Dockerfile and deploy/: Docker cannot run here, so check them statically.
+
+Every service of ours must name a real entry point: a ``payment-worker`` subcommand that the
+real parser accepts (flags included), or ``celery -A payment_worker`` with options that the
+real Celery command line accepts for the real app.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from payment_worker.cli import build_parser
+from payment_worker.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+OURS = {name: svc for name, svc in SERVICES.items() if "build" in svc}
+# a dummy environment: loading the app must start nothing and connect to nothing
+_NO_SERVICES = {
+    "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
+    "REDIS_URL": "redis://127.0.0.1:1/0",
+    "CELERY_BROKER_URL": "redis://127.0.0.1:1/1",
+}
+
+
+def test_the_stack_has_every_service() -> None:
+    expected = {"postgres", "redis", "migrate", "worker", "beat", "exporter", "gateway-sim"}
+    assert expected | {"prometheus", "grafana"} <= set(SERVICES)
+    assert set(OURS) == expected - {"postgres", "redis"}
+    assert SERVICES["postgres"]["image"].startswith("postgres:16")
+    assert SERVICES["redis"]["image"].startswith("redis:7")
+
+
+def test_console_script_is_the_cli_main() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["payment-worker"] == "payment_worker.cli:main"
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_payment_worker_commands_parse(name: str) -> None:
+    command = OURS[name]["command"]
+    assert isinstance(command, list) and command
+    if command[0] != "payment-worker":
+        assert command[0] == "celery"
+        return
+    sub = command[1]
+    subcommands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert subcommands is not None and sub in subcommands
+    if sub == "gateway-sim":
+        # special-cased in cli.main: its flags belong to the simulator's own parser
+        from payment_worker.gateway.simulator import build_parser as sim_parser
+
+        sim_parser().parse_args(command[2:])
+    else:
+        args = build_parser().parse_args(command[1:])
+        assert callable(args.func)
+
+
+def _celery_services() -> list[str]:
+    return sorted(n for n, s in OURS.items() if s["command"][0] == "celery")
+
+
+def test_worker_and_beat_use_celery() -> None:
+    assert _celery_services() == ["beat", "worker"]
+
+
+@pytest.mark.parametrize("name", _celery_services())
+def test_celery_commands_name_the_real_app(name: str) -> None:
+    command = OURS[name]["command"]
+    assert command[1:3] == ["-A", "payment_worker"]
+    assert command[3] == name  # "worker" / "beat"
+    import payment_worker
+    from payment_worker.celery_app import app
+
+    assert payment_worker.app is app and app.main == "payment_worker"
+    # Celery's own command line loads the app and validates every option
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery", *command[1:], "--help"],
+        env={**os.environ, **_NO_SERVICES},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_worker_consumes_the_configured_queues(monkeypatch: pytest.MonkeyPatch) -> None:
+    command = OURS["worker"]["command"]
+    queues = command[command.index("-Q") + 1].split(",")
+    for key, value in _NO_SERVICES.items():
+        monkeypatch.setenv(key, value)
+    from payment_worker.settings import get_settings
+
+    get_settings.cache_clear()
+    try:
+        import importlib
+
+        import payment_worker.celery_config as cc
+
+        cc = importlib.reload(cc)
+        assert sorted(queues) == sorted(q.name for q in cc.task_queues) == ["dlq", "payments"]
+    finally:
+        get_settings.cache_clear()
+
+
+def test_long_running_services_have_health_checks() -> None:
+    for name, svc in SERVICES.items():
+        if name == "migrate":
+            continue
+        test = svc.get("healthcheck", {}).get("test")
+        assert test and test[0] in ("CMD", "CMD-SHELL"), f"{name} has no health check"
+
+
+def test_redis_keeps_every_write_and_evicts_nothing() -> None:
+    command = SERVICES["redis"]["command"]
+    pairs = dict(zip(command[1::2], command[2::2], strict=True))
+    assert pairs["--appendonly"] == "yes"
+    assert pairs["--maxmemory-policy"] == "noeviction"
+
+
+def test_migrate_runs_once_before_worker_beat_and_exporter() -> None:
+    assert SERVICES["migrate"]["command"] == ["payment-worker", "db", "upgrade"]
+    assert SERVICES["migrate"]["restart"] == "no"
+    assert SERVICES["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in ("worker", "beat", "exporter"):
+        dep = SERVICES[name]["depends_on"]["migrate"]
+        assert dep["condition"] == "service_completed_successfully", name
+
+
+def test_depends_on_names_real_services_and_healthy_ones_have_checks() -> None:
+    conditions = {"service_started", "service_healthy", "service_completed_successfully"}
+    for name, svc in SERVICES.items():
+        for dep, spec in svc.get("depends_on", {}).items():
+            assert dep in SERVICES, f"{name} depends on unknown {dep}"
+            assert spec["condition"] in conditions
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in SERVICES[dep], f"{name} waits for {dep}'s health"
+
+
+def test_our_services_point_at_the_compose_services() -> None:
+    env = OURS["worker"]["environment"]
+    for name, svc in OURS.items():
+        assert svc["environment"] == env, f"{name} has its own environment"
+    # the same checks the service applies at start-up: a bad value would exit with code 2
+    s = Settings(**{k.lower(): v for k, v in env.items()})
+    assert s.database_url is not None and "@postgres:5432/" in s.database_url
+    assert s.redis_url is not None and s.redis_url.startswith("redis://redis:6379/")
+    assert s.celery_broker_url is not None and s.celery_broker_url != s.redis_url
+    assert s.gateway_url == "http://gateway-sim:8700"
+
+
+def test_prometheus_scrapes_the_metrics_and_exporter_ports() -> None:
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    env = OURS["worker"]["environment"]
+    jobs = {job["job_name"]: job for job in prom["scrape_configs"]}
+    worker = jobs["payment-worker"]["dns_sd_configs"][0]
+    assert worker["names"] == ["worker"] and worker["port"] == int(env["METRICS_PORT"])
+    exporter = jobs["payment-worker-exporter"]["static_configs"][0]["targets"]
+    assert exporter == [f"exporter:{env['EXPORTER_PORT']}"]
+    mount = SERVICES["prometheus"]["volumes"][0].split(":")
+    assert (ROOT / mount[0]).resolve() == (ROOT / "deploy" / "prometheus.yml").resolve()
+
+
+def _known_metric_names() -> set[str]:
+    from prometheus_client import Counter, Histogram
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from payment_worker.observability import metrics
+
+    names: set[str] = set()
+    for obj in vars(metrics).values():
+        if isinstance(obj, MetricWrapperBase):
+            base = obj._name
+            names.add(base)
+            if isinstance(obj, Counter):
+                names.add(base + "_total")
+            if isinstance(obj, Histogram):
+                names |= {base + "_bucket", base + "_sum", base + "_count"}
+    exporter_src = (ROOT / "payment_worker" / "observability" / "exporter.py").read_text()
+    names |= set(re.findall(r'"(pw_[a-z_]+)"', exporter_src))
+    return names
+
+
+def test_grafana_provisioning_and_dashboard_use_real_metrics() -> None:
+    for volume in SERVICES["grafana"]["volumes"]:
+        assert (ROOT / volume.split(":")[0]).is_dir(), volume
+    prov = ROOT / "deploy" / "grafana" / "provisioning"
+    ds = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())
+    assert ds["datasources"][0]["url"] == "http://prometheus:9090"
+    dashboards = list((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
+    assert dashboards
+    known = _known_metric_names()
+    for path in dashboards:
+        dash = json.loads(path.read_text())
+        exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+        used = {m for e in exprs for m in re.findall(r"\bpw_[a-z_]+", e)}
+        assert used and used <= known, f"{path.name}: unknown {sorted(used - known)}"
+
+
+def test_dockerfile_is_slim_non_root_and_editable() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert "pip install -e ." in text or "pip install --no-deps -e ." in text
+    for path in ("alembic.ini", "migrations"):
+        assert re.search(rf"^COPY {path}\b", text, re.M), path
