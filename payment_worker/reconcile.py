@@ -49,10 +49,7 @@ class Reconciliation:
 
 def sent_counts(ledger: dict[str, Any]) -> dict[str, int]:
     """``"account_id/transaction_id" -> times money was sent`` from a simulator ledger."""
-    out: dict[str, int] = {}
-    for key, entry in ledger.get("transactions", {}).items():
-        out[key] = int(entry["sent"] if isinstance(entry, dict) else entry)
-    return out
+    return {str(k): int(v) for k, v in ledger.get("sends", {}).items()}
 
 
 def reconcile(

@@ -124,7 +124,7 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
     assert rec.ok, rec.summary()
     assert kills >= 1 and pauses == 1 and flushes == 1
     print(f"chaos: items={total} kills={kills} pauses={pauses} flushes={flushes} "
-          f"counts={counts} 429={ledger.get('rate_limited_429')} "
+          f"counts={counts} 429={ledger.get('http_429_by_cause')} "
           f"rss_kb first={rss[:1]} last={rss[-1:]}")
 
 

@@ -46,7 +46,9 @@ def test_100_batches_x_20_items_over_10_accounts(pw_env: PwEnv, tmp_path: Path) 
     with get_engine().connect() as conn:
         rec = reconcile(conn, ledger)
     assert rec.ok, rec.summary()
-    sent = [e["sent"] for e in ledger["transactions"].values()]
+    sent = list(ledger["sends"].values())
     assert sum(sent) == counts["succeeded"] and max(sent) == 1
+    assert ledger["double_payments"] == []
     # one request of an account in flight at a time from our side: no 429 for concurrency
-    assert ledger["rate_limited_429"]["concurrency"] == 0, ledger["rate_limited_429"]
+    assert ledger["http_429_by_cause"]["concurrency"] == 0, ledger["http_429_by_cause"]
+    assert max(ledger["max_in_flight_seen"].values()) == 1

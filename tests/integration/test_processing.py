@@ -1,0 +1,177 @@
+"""The processing loop in-process (no broker): real Postgres, real Redis, the simulator over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from payment_worker import processing
+from payment_worker.db.engine import get_engine
+from payment_worker.locks import AccountLock
+from payment_worker.producer import submit_batch
+from payment_worker.reconcile import reconcile
+from payment_worker.samples import make_batches
+from tests.conftest import PwEnv
+from tests.sim_fixtures import SimHandle
+
+
+@pytest.fixture
+def res(pw_env: PwEnv, gateway_sim: SimHandle, monkeypatch: pytest.MonkeyPatch) -> Iterator[
+    processing.Resources
+]:
+    monkeypatch.setenv("RETRY_BASE_DELAY", "0.05")
+    monkeypatch.setenv("RETRY_MAX_DELAY", "0.2")
+    monkeypatch.setenv("HOLD_WAIT_MAX_SECONDS", "1.0")
+    monkeypatch.setenv("GATEWAY_READ_TIMEOUT", "0.5")
+    from payment_worker.settings import get_settings
+
+    get_settings.cache_clear()
+    processing.reset_resources()
+    yield processing.resources()
+    processing.reset_resources()
+
+
+def _submit(batches: list[dict[str, Any]]) -> None:
+    for b in batches:
+        assert submit_batch(b, enqueue=False).status == "accepted"
+
+
+def _statuses(db_conn: psycopg.Connection) -> dict[str, int]:  # type: ignore[type-arg]
+    rows = db_conn.execute("SELECT status, count(*) FROM transactions GROUP BY status").fetchall()
+    return {r[0]: r[1] for r in rows}
+
+
+def test_drains_every_batch_of_the_account(
+    res: processing.Resources, gateway_sim: SimHandle, db_conn: psycopg.Connection  # type: ignore[type-arg]
+) -> None:
+    batches = make_batches(batches=3, items=30, accounts=1, prefix="p", reject_every=10)
+    _submit(batches)
+    report = processing.run_account("acct-0000", batches[0]["batch_id"], res)
+    assert report.result == "processed" and report.items == 90
+    assert _statuses(db_conn) == {"succeeded": 81, "failed": 9}
+    done = db_conn.execute("SELECT count(*) FROM batches WHERE status = 'completed'").fetchone()
+    assert done == (3,)
+    with get_engine().connect() as conn:
+        rec = reconcile(conn, gateway_sim.ledger())
+    assert rec.ok, rec.summary()
+    # declined items carry the reason; succeeded ones the gateway payment id
+    row = db_conn.execute(
+        "SELECT last_error_class, gateway_payment_id FROM transactions WHERE status = 'failed' LIMIT 1"
+    ).fetchone()
+    assert row is not None and row[0].startswith("declined"), row
+    ok = db_conn.execute(
+        "SELECT count(*) FROM transactions WHERE status = 'succeeded' AND gateway_payment_id IS NULL"
+    ).fetchone()
+    assert ok == (0,)
+
+
+def test_contended_task_leaves_a_mark_and_the_holder_drains_it(
+    res: processing.Resources, db_conn: psycopg.Connection  # type: ignore[type-arg]
+) -> None:
+    first = make_batches(batches=1, items=5, accounts=1, prefix="c1")
+    _submit(first)
+    holder = AccountLock(res.redis, "acct-0000", engine=res.engine)
+    assert holder.acquire()
+    try:
+        second = make_batches(batches=1, items=5, accounts=1, prefix="c2")
+        _submit(second)
+        report = processing.run_account("acct-0000", second[0]["batch_id"], res)
+        assert report.result == "contended"  # no retry, no spin: it just ends
+        assert res.redis.exists(res.key("waiting", "acct-0000"))
+    finally:
+        holder.release()
+    # the next execution (as the holder would after its release) drains both batches
+    report = processing.run_account("acct-0000", first[0]["batch_id"], res)
+    assert report.items == 10
+    assert _statuses(db_conn) == {"succeeded": 10}
+
+
+def test_transient_errors_retry_then_dead_letter(
+    res: processing.Resources, gateway_sim: SimHandle, db_conn: psycopg.Connection,  # type: ignore[type-arg]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(res.settings, "retry_max_attempts", 3)
+    gateway_sim.configure(p503=1.0)
+    batches = make_batches(batches=1, items=4, accounts=1, prefix="r")
+    _submit(batches)
+    processing.run_account("acct-0000", batches[0]["batch_id"], res)
+    assert _statuses(db_conn) == {"dead": 4}
+    rows = db_conn.execute(
+        "SELECT reason, attempts FROM dead_letters ORDER BY id"
+    ).fetchall()
+    assert rows == [("retries_exhausted", 3)] * 4
+    assert gateway_sim.ledger()["payments_sent"] == 0
+
+
+def test_lost_responses_resolved_by_lookup_never_paid_twice(
+    res: processing.Resources, gateway_sim: SimHandle, db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    gateway_sim.configure(p_lost=0.5)
+    batches = make_batches(batches=2, items=20, accounts=1, prefix="l")
+    _submit(batches)
+    processing.run_account("acct-0000", batches[0]["batch_id"], res)
+    gateway_sim.configure(p_lost=0.0)
+    processing.run_account("acct-0000", batches[0]["batch_id"], res)
+    assert _statuses(db_conn) == {"succeeded": 40}
+    ledger = gateway_sim.ledger()
+    assert ledger["double_payments"] == [] and ledger["payments_sent"] == 40
+    lookups = db_conn.execute("SELECT sum(lookups) FROM transactions").fetchone()
+    assert lookups is not None and lookups[0] > 0  # the lost ones were looked up, not resent blind
+
+
+def test_crash_between_intent_and_outcome_is_looked_up(
+    res: processing.Resources, gateway_sim: SimHandle, db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    from payment_worker.db import transactions as repo
+
+    batches = make_batches(batches=1, items=3, accounts=1, prefix="x")
+    _submit(batches)
+    # a holder records intent, then "crashes" before any outcome is written
+    lock = AccountLock(res.redis, "acct-0000", engine=res.engine)
+    assert lock.acquire()
+    with res.engine.connect() as c:
+        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+        items = repo.claim_due(conn, "acct-0000", lock.fence_token or 0, 10)
+    # ... and it did pay the first one before dying
+    from payment_worker.payments import PaymentRequest
+
+    it = items[0]
+    req = PaymentRequest(it.account_id, it.transaction_id, it.amount, it.currency,
+                         it.beneficiary, it.description)
+    assert res.gateway.create_payment(it.account_id, req, it.idempotency_key).http_status == 201
+    lock.release()
+    assert _statuses(db_conn) == {"dispatching": 3}
+    processing.run_account("acct-0000", batches[0]["batch_id"], res)
+    assert _statuses(db_conn) == {"succeeded": 3}
+    ledger = gateway_sim.ledger()
+    assert ledger["payments_sent"] == 3 and ledger["double_payments"] == []
+    looked = db_conn.execute("SELECT lookups FROM transactions ORDER BY id").fetchall()
+    assert looked == [(1,), (1,), (1,)]
+
+
+def test_old_holder_is_fenced_out(
+    res: processing.Resources, db_conn: psycopg.Connection  # type: ignore[type-arg]
+) -> None:
+    from payment_worker.db import transactions as repo
+    from payment_worker.db.fences import next_fence_token
+    from payment_worker.errors import FencedOut
+
+    batches = make_batches(batches=1, items=2, accounts=1, prefix="f")
+    _submit(batches)
+    with res.engine.connect() as c:
+        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+        old = next_fence_token(conn, "acct-0000")
+        items = repo.claim_due(conn, "acct-0000", old, 10)
+        assert len(items) == 2
+        new = next_fence_token(conn, "acct-0000")
+        assert new > old
+        with pytest.raises(FencedOut):
+            repo.record_outcomes(conn, "acct-0000", old, [
+                repo.Outcome(id=i.id, status="succeeded", attempts=1, lookups=0) for i in items
+            ])
+        with pytest.raises(FencedOut):
+            repo.claim_due(conn, "acct-0000", old, 10)
+    assert _statuses(db_conn) == {"dispatching": 2}
