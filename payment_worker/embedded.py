@@ -550,5 +550,8 @@ def stop(home: Path) -> list[str]:
             # SIGINT is PostgreSQL's "fast shutdown": roll back clients, checkpoint, exit
             _terminate(pm[0], signal.SIGINT, "postgres")
             stopped.append("postgres")
+        if pg_socket_dir(home) != _pgdata(home):
+            with contextlib.suppress(OSError):  # the short socket folder, if empty now
+                pg_socket_dir(home).rmdir()
         _pg_url_file(home).unlink(missing_ok=True)
     return stopped
