@@ -1,9 +1,12 @@
 """All the SQL of submission and status: batches, their transactions and idempotency keys.
 
-A submission is one database transaction of three statements whatever the batch size: the
-batch row, then every transaction and its idempotency key in one ``INSERT ... SELECT FROM
-unnest(...)``. Races between identical or overlapping submissions are decided by the unique
-constraints (``ON CONFLICT DO NOTHING``), never by a check-then-insert.
+A submission is ONE statement whatever the batch size, run in autocommit, so it is atomic
+and costs one round trip: data-modifying CTEs insert the batch row, every transaction and
+every idempotency key, the items travelling as one JSON document. Races are decided by the
+unique constraints, never by a check-then-insert: the batch row by ``ON CONFLICT (batch_id)
+DO NOTHING`` (a concurrent identical submission waits for the first to commit, then inserts
+nothing), a transaction that another batch already owns by the unique violation that aborts
+the whole statement.
 """
 
 from __future__ import annotations
@@ -14,27 +17,25 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine, text
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
 # deadlocks are possible when two batches share transaction ids in different orders; the
 # loser is rolled back whole by PostgreSQL and simply tried again
 _RETRYABLE_SQLSTATES = {"40P01", "40001"}
+_UNIQUE_VIOLATION = "23505"
 _ATTEMPTS = 3
 
-_INSERT_BATCH = text(
+# ORDER BY ord keeps the batch order in the transaction ids; with no batch row inserted
+# (batch_id exists) the CROSS JOIN is empty and nothing else is written
+_INSERT = text(
     """
-    INSERT INTO batches (batch_id, account_id, fingerprint, item_count)
-    VALUES (:batch_id, :account_id, :fingerprint, :item_count)
-    ON CONFLICT (batch_id) DO NOTHING
-    RETURNING id
-    """
-)
-
-# one round trip for any number of items: the rows travel as one JSON document (cheaper to
-# send than seven arrays), and ORDER BY ord keeps the batch order in the transaction ids
-_INSERT_TRANSACTIONS = text(
-    """
-    WITH src AS (
+    WITH b AS (
+        INSERT INTO batches (batch_id, account_id, fingerprint, item_count)
+        VALUES (:batch_id, :account_id, :fingerprint, :item_count)
+        ON CONFLICT (batch_id) DO NOTHING
+        RETURNING id
+    ),
+    src AS (
         SELECT * FROM ROWS FROM (
             json_to_recordset(CAST(:rows AS json))
             AS (transaction_id text, amount bigint, currency text, beneficiary jsonb,
@@ -45,10 +46,9 @@ _INSERT_TRANSACTIONS = text(
     tx AS (
         INSERT INTO transactions (batch_pk, account_id, transaction_id, amount, currency,
                                   beneficiary, description, idempotency_key)
-        SELECT :batch_pk, :account_id, transaction_id, amount, currency,
-               beneficiary, description, idempotency_key
-        FROM src ORDER BY ord
-        ON CONFLICT DO NOTHING
+        SELECT b.id, :account_id, src.transaction_id, src.amount, src.currency,
+               src.beneficiary, src.description, src.idempotency_key
+        FROM b CROSS JOIN src ORDER BY src.ord
         RETURNING id, idempotency_key
     ),
     keys AS (
@@ -57,7 +57,7 @@ _INSERT_TRANSACTIONS = text(
         FROM tx JOIN src ON src.idempotency_key = tx.idempotency_key
         RETURNING 1
     )
-    SELECT (SELECT count(*) FROM tx), (SELECT count(*) FROM keys)
+    SELECT (SELECT id FROM b), (SELECT count(*) FROM tx), (SELECT count(*) FROM keys)
     """
 )
 
@@ -67,7 +67,6 @@ _EXISTING_TRANSACTIONS = text(
     FROM transactions t JOIN batches b ON b.id = t.batch_pk
     WHERE t.account_id = :account_id
       AND t.transaction_id = ANY(CAST(:transaction_ids AS text[]))
-      AND t.batch_pk <> :batch_pk
     """
 )
 
@@ -137,7 +136,7 @@ def _retryable(exc: DBAPIError) -> bool:
 
 
 def insert_batch(engine: Engine, batch: NewBatch) -> InsertOutcome:
-    """Insert a batch, its transactions and their idempotency keys in one transaction.
+    """Insert a batch, its transactions and their idempotency keys, atomically.
 
     All or nothing: unless the outcome is ``accepted`` nothing is left behind. A concurrent
     submission of the same batch_id waits on the unique index for the first one to commit
@@ -145,43 +144,43 @@ def insert_batch(engine: Engine, batch: NewBatch) -> InsertOutcome:
     """
     for attempt in range(1, _ATTEMPTS + 1):
         try:
-            return _insert_once(engine, batch)
+            outcome = _insert_once(engine, batch)
         except DBAPIError as exc:
             if attempt == _ATTEMPTS or not _retryable(exc):
                 raise
-    raise AssertionError("unreachable")  # pragma: no cover
+            continue
+        if outcome is not None:
+            return outcome
+    # a clash whose owner could not be found three times: cannot happen without deletes
+    raise RuntimeError(f"batch {batch.batch_id!r}: transactions clash but have no owner")
 
 
-def _insert_once(engine: Engine, batch: NewBatch) -> InsertOutcome:
+def _insert_once(engine: Engine, batch: NewBatch) -> InsertOutcome | None:
     txs = batch.transactions
-    with engine.connect() as conn, conn.begin() as db_tx:
-        batch_pk = conn.execute(
-            _INSERT_BATCH,
-            {
-                "batch_id": batch.batch_id,
-                "account_id": batch.account_id,
-                "fingerprint": batch.fingerprint,
-                "item_count": len(txs),
-            },
-        ).scalar_one_or_none()
+    params = {
+        "batch_id": batch.batch_id,
+        "account_id": batch.account_id,
+        "fingerprint": batch.fingerprint,
+        "item_count": len(txs),
+        "rows": json.dumps([_row(t) for t in txs]),
+    }
+    # autocommit: the one statement is its own transaction, with no BEGIN/COMMIT round trips
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        try:
+            batch_pk, inserted, keyed = conn.execute(_INSERT, params).one()
+        except IntegrityError as exc:
+            if getattr(exc.orig, "sqlstate", None) != _UNIQUE_VIOLATION:
+                raise
+            # some (account_id, transaction_id) belongs to a committed batch: name them all
+            clashes = _clashes(conn, batch)
+            return InsertOutcome("transactions_exist", clashes=clashes) if clashes else None
         if batch_pk is None:
+            # a new statement, so a new snapshot: it sees the batch that won the race
             existing = conn.execute(_BATCH_FINGERPRINT, {"batch_id": batch.batch_id}).scalar_one()
-            db_tx.rollback()
             return InsertOutcome("duplicate" if existing == batch.fingerprint else "conflict")
-        inserted, keyed = conn.execute(
-            _INSERT_TRANSACTIONS,
-            {
-                "batch_pk": batch_pk,
-                "account_id": batch.account_id,
-                "rows": json.dumps([_row(t) for t in txs]),
-            },
-        ).one()
-        if inserted == len(txs) and keyed == len(txs):
-            db_tx.commit()
-            return InsertOutcome("accepted", batch_pk=int(batch_pk))
-        clashes = _clashes(conn, batch, int(batch_pk))
-        db_tx.rollback()
-        return InsertOutcome("transactions_exist", clashes=clashes)
+        if inserted != len(txs) or keyed != len(txs):  # pragma: no cover - the schema forbids
+            raise RuntimeError(f"batch {batch.batch_id!r}: {inserted}/{keyed} of {len(txs)} rows")
+        return InsertOutcome("accepted", batch_pk=int(batch_pk))
 
 
 def _row(t: NewTransaction) -> dict[str, Any]:
@@ -197,13 +196,12 @@ def _row(t: NewTransaction) -> dict[str, Any]:
     }
 
 
-def _clashes(conn: Connection, batch: NewBatch, batch_pk: int) -> list[TransactionClash]:
+def _clashes(conn: Connection, batch: NewBatch) -> list[TransactionClash]:
     rows = conn.execute(
         _EXISTING_TRANSACTIONS,
         {
             "account_id": batch.account_id,
             "transaction_ids": [t.transaction_id for t in batch.transactions],
-            "batch_pk": batch_pk,
         },
     ).all()
     owner = {str(tx_id): str(other) for tx_id, other in rows}
