@@ -136,7 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args_list[:1] == ["gateway-sim"]:
             return _gateway_sim(args_list[1:])
         args = build_parser().parse_args(args_list)
-        get_settings()  # a bad setting fails here, with one line and exit code 2
+        s = get_settings()  # a bad setting fails here, with one line and exit code 2
+        from payment_worker.observability.logging import configure_logging
+
+        # logs go to stderr, so a command's own output (JSON lines, tables) stays clean
+        configure_logging(s.log_level, s.log_json)
         rc: int = args.func(args)
         return rc
     except SettingsError as exc:

@@ -10,7 +10,7 @@ from payment_worker.settings import Settings, describe_error
 
 
 def test_defaults_are_sane(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"):
+    for var in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "PAYMENT_WORKER_HOME"):
         monkeypatch.delenv(var, raising=False)
     s = Settings()
     assert s.database_url is None and s.redis_url is None
