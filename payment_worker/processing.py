@@ -209,7 +209,10 @@ def _schedule(
     """One delayed message per account for work that is not due yet."""
     from payment_worker.tasks import enqueue_batch
 
-    wait = max(wait, 0.0)
+    # a countdown must stay below the broker's visibility timeout (or the message would be
+    # redelivered while still waiting); if a Retry-After is longer, the task runs early, finds
+    # nothing due and schedules again
+    wait = min(max(wait, 0.0), res.settings.visibility_timeout * 0.5)
     report.scheduled_in = wait
     marker = res.key("scheduled", account_id)
     # the marker outlives the countdown a little; the sweeper covers a lost delayed message

@@ -1,0 +1,78 @@
+"""A scratch database and Redis dbs for a benchmark run (shared by the bench scripts)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def with_path(url: str, path: str) -> str:
+    """``url`` with its path replaced."""
+    return urlunsplit(urlsplit(url)._replace(path=path))
+
+
+def machine() -> str:
+    """One line describing this machine."""
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} cores, {cpu or platform.processor()}, Python {platform.python_version()}"
+
+
+@contextlib.contextmanager
+def scratch(redis_dbs: tuple[int, int] = (13, 14)) -> Iterator[tuple[str, str, str]]:
+    """Create ``pw_bench_<pid>`` (migrated) and flush two Redis dbs; set the URLs in os.environ.
+
+    Yields (database_url, redis_url, broker_url); the database is dropped at the end.
+    """
+    import psycopg
+    import redis
+
+    from payment_worker.db import migrate
+    from payment_worker.services import database_url, redis_url
+    from payment_worker.settings import get_settings
+
+    base_pg = database_url(get_settings())
+    base_redis = redis_url(get_settings())
+    name = f"pw_bench_{os.getpid()}"
+    admin = with_path(base_pg, "/postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    db = with_path(base_pg, f"/{name}")
+    r_app = with_path(base_redis, f"/{redis_dbs[0]}")
+    r_broker = with_path(base_redis, f"/{redis_dbs[1]}")
+    os.environ.update({"DATABASE_URL": db, "REDIS_URL": r_app, "CELERY_BROKER_URL": r_broker})
+    get_settings.cache_clear()
+    for url in (r_app, r_broker):
+        redis.Redis.from_url(url).flushdb()
+    migrate.upgrade(db.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        yield db, r_app, r_broker
+    finally:
+        from payment_worker.db.engine import dispose_engines
+
+        dispose_engines()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def git_rev() -> str:
+    """The current commit, short."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
