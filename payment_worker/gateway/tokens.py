@@ -122,7 +122,8 @@ class TokenManager:
     # --- reading ----------------------------------------------------------------------
     def cached(self, account_id: str) -> CachedToken | None:
         """The account's current shared token, or None when there is none or it expired."""
-        pipe = self._redis.pipeline(transaction=True)
+        # one round trip; no MULTI needed: a key that expires in between reads as "none"
+        pipe = self._redis.pipeline(transaction=False)
         pipe.hmget(self.token_key(account_id), ["token", "lead_ms"])
         pipe.pttl(self.token_key(account_id))
         (token, lead), pttl = pipe.execute()
