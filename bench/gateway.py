@@ -284,10 +284,24 @@ async def _load(url: str, conns: int, seconds: float) -> tuple[int, Counter[int]
     return int(sum(statuses.values()) / elapsed), statuses
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     with run_simulator(rate=1_000_000, token_rate=1000, seed=5) as sim:
+        cpu0 = _cpu_seconds(sim.proc.pid)
         rps, statuses = asyncio.run(_load(sim.url, args.connections, args.throughput_seconds))
-    return {"req_per_s": rps, "statuses": dict(statuses)}
+        cpu = _cpu_seconds(sim.proc.pid) - cpu0
+    n = sum(statuses.values())
+    return {
+        "req_per_s": rps,
+        "statuses": dict(statuses),
+        "cpu_us_per_req": cpu / n * 1e6 if n else 0.0,
+        "one_core_req_per_s": n / cpu if cpu else 0.0,
+    }
 
 
 def main() -> int:
@@ -359,7 +373,11 @@ def main() -> int:
             f"\n## simulator throughput: {args.connections} connections, "
             f"{args.throughput_seconds:.0f} s, creates (load generator on the same machine)"
         )
-        print(f"| req/s | statuses |\n|---|---|\n| {r3['req_per_s']} | {r3['statuses']} |")
+        print("| req/s | simulator CPU µs/req | req/s per full core | statuses |")
+        print(
+            f"|---|---|---|---|\n| {r3['req_per_s']} | {r3['cpu_us_per_req']:.0f} | "
+            f"{r3['one_core_req_per_s']:.0f} | {r3['statuses']} |"
+        )
         print(f"load average at end {os.getloadavg()[0]:.1f}")
     return 0
 
