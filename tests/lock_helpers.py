@@ -70,15 +70,39 @@ def fenced_write(engine: Any, account_id: str, fence_token: int, tx_pk: int, sta
         return "fenced_out"
 
 
-def _child(args: argparse.Namespace, index: int) -> None:
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGKILL when the launcher dies (no orphans after a timeout)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _child(args: argparse.Namespace, index: int, ready_key: str, go_key: str) -> None:
     from payment_worker.locks import AccountLock
 
+    _die_with_parent()
     r, engine = _clients(args.ttl_ms)
     out: dict[str, Any] = {"pid": os.getpid(), "index": index, "intervals": [], "waits": []}
-    stop_at = time.time() + args.duration
     try:
+        # warm up (connections, scripts) on another account, then wait for the start
+        # signal: the measured contention is not a start-up storm of 100 processes
+        warm = AccountLock(
+            r, f"warm-{index}", engine=engine, ttl_ms=args.ttl_ms, safety_margin_ms=100
+        )
+        assert warm.acquire()
+        warm.release()
+        r.incr(ready_key)
+        waited = 0
+        while r.blpop([go_key], timeout=2) is None:  # shorter than the socket timeout
+            waited += 2
+            assert waited < 120, "no start signal"
+        stop_at = time.time() + args.duration
         while True:
-            lock = AccountLock(r, args.account, engine=engine, ttl_ms=args.ttl_ms)
+            lock = AccountLock(
+                r, args.account, engine=engine, ttl_ms=args.ttl_ms, safety_margin_ms=100
+            )
             t_req = time.time()
             if not lock.acquire(blocking=True, timeout=args.timeout):
                 out["timed_out"] = True
@@ -106,21 +130,32 @@ def contend(args: argparse.Namespace) -> int:
 
     configure_logging("WARNING")
     # import everything before forking so the children start at once
+    import psycopg  # noqa: F401
+    import sqlalchemy.dialects.postgresql.psycopg  # noqa: F401
+
     import payment_worker.db.engine
     import payment_worker.locks  # noqa: F401
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    # per launcher, so that no other run's children can take this run's start signals
+    ready_key, go_key = f"test:ready:{os.getpid()}", f"test:go:{os.getpid()}"
     pids = []
     for index in range(args.n):
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
-                _child(args, index)
+                _child(args, index, ready_key, go_key)
             except BaseException:
                 code = 1
             os._exit(code)
         pids.append(pid)
+    # the parent's own connection, made after the forks
+    r, _ = _clients(args.ttl_ms)
+    deadline = time.monotonic() + 120
+    while int(r.get(ready_key) or 0) < args.n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r.rpush(go_key, *([1] * args.n))
     failed = 0
     for pid in pids:
         _, status = os.waitpid(pid, 0)
