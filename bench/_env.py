@@ -27,7 +27,9 @@ def machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return f"{os.cpu_count()} cores, {cpu or platform.processor()}, Python {platform.python_version()}"
+    return (
+        f"{os.cpu_count()} cores, {cpu or platform.processor()}, Python {platform.python_version()}"
+    )
 
 
 @contextlib.contextmanager

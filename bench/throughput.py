@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _env import git_rev, machine, scratch  # noqa: E402
+from _env import git_rev, machine, scratch
 
 SCENARIOS: dict[int, dict[str, Any]] = {
     1: {"name": "zero latency", "accounts": 200, "batches": 200, "items": 50, "latency_ms": 0},
@@ -62,7 +62,8 @@ def _redis_calls(r: Any) -> int:
 
 def _xacts(conn: Any) -> int:
     row = conn.execute(
-        "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"
+        "SELECT xact_commit + xact_rollback FROM pg_stat_database "
+        "WHERE datname = current_database()"
     ).fetchone()
     return int(row[0])
 
@@ -92,17 +93,21 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
 
     sc = dict(SCENARIOS[num])
     if args.quick:
-        sc.update(accounts=max(sc["accounts"] // 20, 2), batches=max(sc["batches"] // 20, 4),
-                  items=10)
+        sc.update(
+            accounts=max(sc["accounts"] // 20, 2), batches=max(sc["batches"] // 20, 4), items=10
+        )
     db_url, r_app, r_broker = urls
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("TRUNCATE dead_letters, idempotency_keys, transactions, batches, "
-                     "account_fences RESTART IDENTITY CASCADE")
+        conn.execute(
+            "TRUNCATE dead_letters, idempotency_keys, transactions, batches, "
+            "account_fences RESTART IDENTITY CASCADE"
+        )
     for url in (r_app, r_broker):
         redis.Redis.from_url(url).flushdb()
     dispose_engines()
-    batches = make_batches(batches=sc["batches"], items=sc["items"], accounts=sc["accounts"],
-                           prefix=f"s{num}")
+    batches = make_batches(
+        batches=sc["batches"], items=sc["items"], accounts=sc["accounts"], prefix=f"s{num}"
+    )
     for b in batches:
         assert submit_batch(b, enqueue=False).status == "accepted"
     total = sc["batches"] * sc["items"]
@@ -110,8 +115,9 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     workdir = Path(tempfile.mkdtemp(prefix=f"pw-bench-{num}-"))
     r = redis.Redis.from_url(r_app)
     ports: list[int] = []
-    with LocalCluster(workdir=workdir, env=env, concurrency=args.concurrency,
-                      pool=args.pool) as cluster:
+    with LocalCluster(
+        workdir=workdir, env=env, concurrency=args.concurrency, pool=args.pool
+    ) as cluster:
         cluster.start_simulator(rate=args.rate, latency_ms=sc["latency_ms"])
         for _ in range(args.workers):
             port = free_port()
@@ -159,9 +165,12 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         "peak_rss_mb": peak / 1024,
         "execs_per_batch": sum(execs.values()) / sc["batches"] if execs else float("nan"),
         "wasted_per_batch": (execs.get("contended", 0) + execs.get("idle", 0)) / sc["batches"]
-        if execs else float("nan"),
+        if execs
+        else float("nan"),
         "double": len(ledger.get("double_payments", [])),
-        "bound": min(sc["accounts"], slots) / (sc["latency_ms"] / 1000) if sc["latency_ms"] else None,
+        "bound": min(sc["accounts"], slots) / (sc["latency_ms"] / 1000)
+        if sc["latency_ms"]
+        else None,
     }
     return out
 
@@ -181,24 +190,30 @@ def main() -> int:
 
     configure_logging("WARNING")
     print(f"# throughput  machine: {machine()}  commit: {git_rev()}")
-    print(f"# pool={args.pool} workers={args.workers} concurrency={args.concurrency} "
-          f"rate={args.rate}/s per account (simulator and client)")
+    print(
+        f"# pool={args.pool} workers={args.workers} concurrency={args.concurrency} "
+        f"rate={args.rate}/s per account (simulator and client)"
+    )
     rows = []
     with scratch() as urls:
         for num in args.scenario:
             rows.append(run_scenario(num, args, urls))
-    head = (f"| {'scenario':<16} | {'shape':<20} | {'items/s':>8} | {'PG/item':>7} | "
-            f"{'Redis/item':>10} | {'peak RSS MB':>11} | {'execs/batch':>11} | "
-            f"{'wasted/batch':>12} | {'bound':>7} | {'% bound':>7} | {'double':>6} |")
+    head = (
+        f"| {'scenario':<16} | {'shape':<20} | {'items/s':>8} | {'PG/item':>7} | "
+        f"{'Redis/item':>10} | {'peak RSS MB':>11} | {'execs/batch':>11} | "
+        f"{'wasted/batch':>12} | {'bound':>7} | {'% bound':>7} | {'double':>6} |"
+    )
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in rows:
         bound = f"{r['bound']:.0f}" if r["bound"] else "-"
         pct = f"{100 * r['items_per_s'] / r['bound']:.0f}%" if r["bound"] else "-"
-        print(f"| {r['scenario']:<16} | {r['shape']:<20} | {r['items_per_s']:>8.0f} | "
-              f"{r['pg_per_item']:>7.2f} | {r['redis_per_item']:>10.1f} | "
-              f"{r['peak_rss_mb']:>11.0f} | {r['execs_per_batch']:>11.2f} | "
-              f"{r['wasted_per_batch']:>12.2f} | {bound:>7} | {pct:>7} | {r['double']:>6} |")
+        print(
+            f"| {r['scenario']:<16} | {r['shape']:<20} | {r['items_per_s']:>8.0f} | "
+            f"{r['pg_per_item']:>7.2f} | {r['redis_per_item']:>10.1f} | "
+            f"{r['peak_rss_mb']:>11.0f} | {r['execs_per_batch']:>11.2f} | "
+            f"{r['wasted_per_batch']:>12.2f} | {bound:>7} | {pct:>7} | {r['double']:>6} |"
+        )
     return 0 if all(r["double"] == 0 for r in rows) else 1
 
 

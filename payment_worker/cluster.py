@@ -44,8 +44,12 @@ class ManagedProcess:
         """Start the process, output appended to its log file."""
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
-            self.argv, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            self.argv,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         return self
 
@@ -154,18 +158,41 @@ class LocalCluster:
         self._counter += 1
         name = f"worker{self._counter}"
         argv = [
-            sys.executable, "-m", "celery", "-A", "payment_worker", "worker",
-            "-Q", "payments,dlq", "-P", self.pool, "-c", str(concurrency or self.concurrency),
-            "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "--loglevel", "WARNING",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "payment_worker",
+            "worker",
+            "-Q",
+            "payments,dlq",
+            "-P",
+            self.pool,
+            "-c",
+            str(concurrency or self.concurrency),
+            "-n",
+            f"{name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "--loglevel",
+            "WARNING",
         ]
         return self._proc(name, argv).start()
 
     def start_beat(self) -> ManagedProcess:
         """Start ``celery -A payment_worker beat`` (the sweeper's clock)."""
         argv = [
-            sys.executable, "-m", "celery", "-A", "payment_worker", "beat",
-            "--schedule", str(self.workdir / "beat-schedule"), "--loglevel", "WARNING",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "payment_worker",
+            "beat",
+            "--schedule",
+            str(self.workdir / "beat-schedule"),
+            "--loglevel",
+            "WARNING",
         ]
         return self._proc("beat", argv).start()
 

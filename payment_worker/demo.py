@@ -113,8 +113,10 @@ def run_demo(file: str | None = None, *, workers: int = 1, timeout: float = 180.
         while time.monotonic() < deadline:
             counts = _progress(ids)
             done = sum(counts.get(k, 0) for k in ("succeeded", "failed", "dead"))
-            _say(f"      {done}/{total} terminal  " + " ".join(
-                f"{k}={v}" for k, v in sorted(counts.items())))
+            _say(
+                f"      {done}/{total} terminal  "
+                + " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+            )
             if done >= total:
                 break
             time.sleep(1.0)
@@ -127,7 +129,9 @@ def run_demo(file: str | None = None, *, workers: int = 1, timeout: float = 180.
     _say("")
     _say("reconciliation with the gateway ledger: " + json.dumps(rec.summary()))
     if rec.ok:
-        _say("every transaction is terminal; none was paid twice; Postgres agrees with the gateway.")
+        _say(
+            "every transaction is terminal; none was paid twice; Postgres agrees with the gateway."
+        )
         _say("The embedded servers keep running; stop them with: payment-worker services stop")
         return 0
     print("demo: reconciliation failed (see above)", file=sys.stderr)

@@ -150,8 +150,13 @@ def run_account(account_id: str, batch_id: str, res: Resources | None = None) ->
             break
     TASK_EXECUTIONS.labels(report.result).inc()
     log.info(
-        "account_drained", account_id=account_id, batch_id=batch_id, result=report.result,
-        items=report.items, finished=report.finished, scheduled_in=report.scheduled_in,
+        "account_drained",
+        account_id=account_id,
+        batch_id=batch_id,
+        result=report.result,
+        items=report.items,
+        finished=report.finished,
+        scheduled_in=report.scheduled_in,
     )
     return report
 
@@ -219,7 +224,7 @@ def _schedule(
     if res.redis.set(marker, batch_id, nx=True, px=int((wait + 5.0) * 1000)):
         try:
             enqueue_batch(batch_id, countdown=wait or None)
-        except Exception as exc:  # noqa: BLE001 - broker down: the sweeper re-enqueues
+        except Exception as exc:
             res.redis.delete(marker)
             log.warning("schedule_failed", account_id=account_id, error=repr(exc))
 
@@ -256,23 +261,37 @@ def _process_chunk(
 
 def _outcome(item: repo.ClaimedItem, d: Decision, attempts: int, lookups: int) -> repo.Outcome:
     return repo.Outcome(
-        id=item.id, status=d.status, attempts=attempts, lookups=lookups, delay=d.delay,
-        payment_id=d.payment_id, error_class=d.error_class, error=d.error,
-        key_status=d.key_status, dead_reason=d.dead_reason,
+        id=item.id,
+        status=d.status,
+        attempts=attempts,
+        lookups=lookups,
+        delay=d.delay,
+        payment_id=d.payment_id,
+        error_class=d.error_class,
+        error=d.error,
+        key_status=d.key_status,
+        dead_reason=d.dead_reason,
     )
 
 
 def _process_item(res: Resources, lock: AccountLock, item: repo.ClaimedItem) -> repo.Outcome:
     request = PaymentRequest(
-        account_id=item.account_id, transaction_id=item.transaction_id, amount=item.amount,
-        currency=item.currency, beneficiary=item.beneficiary, description=item.description,
+        account_id=item.account_id,
+        transaction_id=item.transaction_id,
+        amount=item.amount,
+        currency=item.currency,
+        beneficiary=item.beneficiary,
+        description=item.description,
     )
     attempts, lookups = item.attempts, item.lookups
     if item.request_fingerprint is not None and request.fingerprint() != item.request_fingerprint:
         # the row no longer matches what was accepted: never send a different body under the key
-        d = Decision("dead", error_class="fingerprint_mismatch",
-                     error="request body differs from the accepted one",
-                     dead_reason=FINGERPRINT_MISMATCH)
+        d = Decision(
+            "dead",
+            error_class="fingerprint_mismatch",
+            error="request body differs from the accepted one",
+            dead_reason=FINGERPRINT_MISMATCH,
+        )
         return _outcome(item, d, attempts, lookups)
     policy = res.policy
     if item.status == "unknown":

@@ -29,8 +29,11 @@ class Reconciliation:
     def ok(self) -> bool:
         """True when every invariant holds."""
         return not (
-            self.double_paid or self.not_terminal or self.paid_not_succeeded
-            or self.succeeded_not_paid or self.unknown_to_us
+            self.double_paid
+            or self.not_terminal
+            or self.paid_not_succeeded
+            or self.succeeded_not_paid
+            or self.unknown_to_us
         )
 
     def summary(self) -> dict[str, Any]:

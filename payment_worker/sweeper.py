@@ -30,7 +30,8 @@ def run_sweep(res: Resources | None = None) -> dict[str, Any]:
     s = res.settings
     # redis-py's Lock: owner token, Lua release; the timeout bounds a crashed sweeper
     guard = res.redis.lock(
-        f"{s.redis_key_prefix}:sweeper", timeout=max(30.0, s.sweeper_interval * 4),
+        f"{s.redis_key_prefix}:sweeper",
+        timeout=max(30.0, s.sweeper_interval * 4),
         blocking=False,
     )
     if not guard.acquire(blocking=False):
@@ -64,14 +65,18 @@ def _sweep(res: Resources) -> dict[str, Any]:
             continue
         try:
             enqueue_batch(acct.batch_id)
-        except Exception as exc:  # noqa: BLE001 - broker down: try again next pass
+        except Exception as exc:
             res.redis.delete(marker)
             log.warning("sweep_enqueue_failed", batch_id=acct.batch_id, error=repr(exc))
             SWEEPS.labels("broker_error").inc()
             return {"result": "broker_error", "stalled": len(stalled), "reenqueued": requeued}
         requeued.append(acct.batch_id)
         SWEEP_REENQUEUED.inc()
-        log.info("sweep_reenqueued", account_id=acct.account_id, batch_id=acct.batch_id,
-                 in_doubt=acct.in_doubt)
+        log.info(
+            "sweep_reenqueued",
+            account_id=acct.account_id,
+            batch_id=acct.batch_id,
+            in_doubt=acct.in_doubt,
+        )
     SWEEPS.labels("ok").inc()
     return {"result": "ok", "stalled": len(stalled), "busy": busy, "reenqueued": requeued}

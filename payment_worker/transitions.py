@@ -72,17 +72,25 @@ def after_send(result: GatewayResult, *, attempts: int, lookups: int, policy: Po
     if result.outcome is Outcome.RETRY:
         if attempts >= policy.max_attempts:
             return Decision(
-                "dead", error_class=result.error_class, error=result.error,
-                key_status="not_applied", dead_reason=RETRIES_EXHAUSTED,
+                "dead",
+                error_class=result.error_class,
+                error=result.error,
+                key_status="not_applied",
+                dead_reason=RETRIES_EXHAUSTED,
             )
         delay = policy.backoff.delay(attempts, floor=result.retry_after or 0.0)
         return Decision(
-            "retryable", delay=delay, error_class=result.error_class, error=result.error,
+            "retryable",
+            delay=delay,
+            error_class=result.error_class,
+            error=result.error,
             key_status="not_applied",
         )
     # UNKNOWN (and anything unexpected): maybe sent. Only a lookup may decide it.
     return Decision(
-        "unknown", delay=policy.backoff.delay(lookups + 1), error_class=result.error_class,
+        "unknown",
+        delay=policy.backoff.delay(lookups + 1),
+        error_class=result.error_class,
         error=result.error,
     )
 
@@ -96,17 +104,24 @@ def after_lookup(result: GatewayResult, *, attempts: int, lookups: int, policy: 
         if attempts >= policy.max_attempts:
             # never applied and out of attempts: safe to give up, nothing was paid
             return Decision(
-                "dead", error_class="not_found", error="never applied; attempts exhausted",
-                key_status="not_applied", dead_reason=RETRIES_EXHAUSTED,
+                "dead",
+                error_class="not_found",
+                error="never applied; attempts exhausted",
+                key_status="not_applied",
+                dead_reason=RETRIES_EXHAUSTED,
             )
         return Decision("unknown", send_now=True, key_status="not_applied")
     if lookups >= policy.max_lookups:
         # still unknown: never "failed", because money may have left
         return Decision(
-            "dead", error_class=result.error_class, error=result.error,
+            "dead",
+            error_class=result.error_class,
+            error=result.error,
             dead_reason=UNKNOWN_UNRESOLVED,
         )
     return Decision(
-        "unknown", delay=policy.backoff.delay(lookups, floor=result.retry_after or 0.0),
-        error_class=result.error_class, error=result.error,
+        "unknown",
+        delay=policy.backoff.delay(lookups, floor=result.retry_after or 0.0),
+        error_class=result.error_class,
+        error=result.error,
     )

@@ -108,7 +108,8 @@ def upgrade() -> None:
             nullable=False,
         ),
         sa.CheckConstraint(
-            "status IN ('pending', 'dispatching', 'retryable', 'unknown', 'succeeded', 'failed', 'dead')",
+            "status IN ('pending', 'dispatching', 'retryable', 'unknown', "
+            "'succeeded', 'failed', 'dead')",
             name="transactions_status_check",
         ),
         sa.CheckConstraint("amount > 0", name="transactions_amount_check"),

@@ -80,7 +80,8 @@ due AS (
 ),
 upd AS (
     UPDATE transactions t SET
-        status = CASE WHEN due.prev IN ('pending', 'retryable') THEN 'dispatching' ELSE 'unknown' END,
+        status = CASE WHEN due.prev IN ('pending', 'retryable')
+                      THEN 'dispatching' ELSE 'unknown' END,
         attempts = t.attempts + CASE WHEN due.prev IN ('pending', 'retryable') THEN 1 ELSE 0 END,
         fence_token = :tok,
         updated_at = now()
@@ -126,11 +127,19 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list
         return []
     return [
         ClaimedItem(
-            id=r["id"], batch_pk=r["batch_pk"], account_id=r["account_id"],
-            transaction_id=r["transaction_id"], amount=r["amount"], currency=r["currency"],
-            beneficiary=r["beneficiary"], description=r["description"],
-            idempotency_key=r["idempotency_key"], status=r["status"], attempts=r["attempts"],
-            lookups=r["lookups"], request_fingerprint=r["request_fingerprint"],
+            id=r["id"],
+            batch_pk=r["batch_pk"],
+            account_id=r["account_id"],
+            transaction_id=r["transaction_id"],
+            amount=r["amount"],
+            currency=r["currency"],
+            beneficiary=r["beneficiary"],
+            description=r["description"],
+            idempotency_key=r["idempotency_key"],
+            status=r["status"],
+            attempts=r["attempts"],
+            lookups=r["lookups"],
+            request_fingerprint=r["request_fingerprint"],
         )
         for r in rows
     ]
@@ -186,11 +195,16 @@ def record_outcomes(
     rows = json.dumps(
         [
             {
-                "id": o.id, "status": o.status, "attempts": o.attempts, "lookups": o.lookups,
-                "delay": max(o.delay, 0.0), "payment_id": o.payment_id,
+                "id": o.id,
+                "status": o.status,
+                "attempts": o.attempts,
+                "lookups": o.lookups,
+                "delay": max(o.delay, 0.0),
+                "payment_id": o.payment_id,
                 "error_class": o.error_class,
                 "error": (o.error[:1000] if o.error else None),
-                "key_status": o.key_status, "dead_reason": o.dead_reason,
+                "key_status": o.key_status,
+                "dead_reason": o.dead_reason,
             }
             for o in outcomes
         ]
@@ -269,7 +283,9 @@ class StalledAccount:
     in_doubt: bool  # has dispatching/unknown items: the next holder resolves them by lookup
 
 
-def stalled_accounts(conn: Connection, stale_after: float, limit: int = 500) -> list[StalledAccount]:
+def stalled_accounts(
+    conn: Connection, stale_after: float, limit: int = 500
+) -> list[StalledAccount]:
     """Accounts whose due open items saw no write for ``stale_after`` seconds (for the sweeper)."""
     rows = conn.execute(_STALLED, {"stale": stale_after, "limit": limit}).all()
     return [StalledAccount(r.account_id, r.batch_id, bool(r.in_doubt)) for r in rows]

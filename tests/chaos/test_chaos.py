@@ -68,8 +68,9 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
     }
     rng = random.Random(7)
     broker = redis.Redis.from_url(pw_env.broker_url)
-    batches = make_batches(batches=n_batches, items=n_items, accounts=accounts,
-                           prefix="chaos", reject_every=53)
+    batches = make_batches(
+        batches=n_batches, items=n_items, accounts=accounts, prefix="chaos", reject_every=53
+    )
     with LocalCluster(workdir=tmp_path, env=env, concurrency=4) as cluster:
         cluster.start_simulator(rate=20, token_ttl=5, slow_seconds=2.5, seed=11, **FAULTS)
         # the long run submits steadily over 90% of its fault period; the short one at once
@@ -148,9 +149,11 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
         late = max(r for _, r in witness_rss[3 * q :])
         print(f"witness RSS kB: warm={warm} late={late} samples={witness_rss[::120]}")
         assert late <= warm * 1.25, (warm, late)
-    print(f"chaos: items={total} kills={kills} pauses={pauses} flushes={flushes} "
-          f"open_at_flush={open_at_flush} counts={counts} 429={ledger.get('http_429_by_cause')} "
-          f"rss_kb first={rss[:1]} last={rss[-1:]}")
+    print(
+        f"chaos: items={total} kills={kills} pauses={pauses} flushes={flushes} "
+        f"open_at_flush={open_at_flush} counts={counts} 429={ledger.get('http_429_by_cause')} "
+        f"rss_kb first={rss[:1]} last={rss[-1:]}"
+    )
 
 
 def open_counts_now() -> dict[str, int]:

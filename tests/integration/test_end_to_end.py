@@ -28,8 +28,13 @@ def wait_terminal(total: int, timeout: float) -> dict[str, int]:
 
 
 def test_100_batches_x_20_items_over_10_accounts(pw_env: PwEnv, tmp_path: Path) -> None:
-    env = {**os.environ, "METRICS_PORT": "0", "SWEEPER_INTERVAL": "2", "SWEEPER_STALE_AFTER": "10",
-           "GATEWAY_RATE_PER_SECOND": "100"}
+    env = {
+        **os.environ,
+        "METRICS_PORT": "0",
+        "SWEEPER_INTERVAL": "2",
+        "SWEEPER_STALE_AFTER": "10",
+        "GATEWAY_RATE_PER_SECOND": "100",
+    }
     with LocalCluster(workdir=tmp_path, env=env, concurrency=8) as cluster:
         cluster.start_simulator(rate=100)
         cluster.env.update({"GATEWAY_URL": cluster.sim_url or ""})

@@ -1,4 +1,4 @@
-"""The processing loop in-process (no broker): real Postgres, real Redis, the simulator over HTTP."""
+"""The processing loop in-process (no broker): real Postgres and Redis, the simulator over HTTP."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from tests.sim_fixtures import SimHandle
 
 
 @pytest.fixture
-def res(pw_env: PwEnv, gateway_sim: SimHandle, monkeypatch: pytest.MonkeyPatch) -> Iterator[
-    processing.Resources
-]:
+def res(
+    pw_env: PwEnv, gateway_sim: SimHandle, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[processing.Resources]:
     monkeypatch.setenv("RETRY_BASE_DELAY", "0.05")
     monkeypatch.setenv("RETRY_MAX_DELAY", "0.2")
     monkeypatch.setenv("HOLD_WAIT_MAX_SECONDS", "1.0")
@@ -45,7 +45,9 @@ def _statuses(db_conn: psycopg.Connection) -> dict[str, int]:  # type: ignore[ty
 
 
 def test_drains_every_batch_of_the_account(
-    res: processing.Resources, gateway_sim: SimHandle, db_conn: psycopg.Connection  # type: ignore[type-arg]
+    res: processing.Resources,
+    gateway_sim: SimHandle,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
     batches = make_batches(batches=3, items=30, accounts=1, prefix="p", reject_every=10)
     _submit(batches)
@@ -59,17 +61,19 @@ def test_drains_every_batch_of_the_account(
     assert rec.ok, rec.summary()
     # declined items carry the reason; succeeded ones the gateway payment id
     row = db_conn.execute(
-        "SELECT last_error_class, gateway_payment_id FROM transactions WHERE status = 'failed' LIMIT 1"
+        "SELECT last_error_class FROM transactions WHERE status = 'failed' LIMIT 1"
     ).fetchone()
     assert row is not None and row[0].startswith("declined"), row
     ok = db_conn.execute(
-        "SELECT count(*) FROM transactions WHERE status = 'succeeded' AND gateway_payment_id IS NULL"
+        "SELECT count(*) FROM transactions "
+        "WHERE status = 'succeeded' AND gateway_payment_id IS NULL"
     ).fetchone()
     assert ok == (0,)
 
 
 def test_contended_task_leaves_a_mark_and_the_holder_drains_it(
-    res: processing.Resources, db_conn: psycopg.Connection  # type: ignore[type-arg]
+    res: processing.Resources,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
     first = make_batches(batches=1, items=5, accounts=1, prefix="c1")
     _submit(first)
@@ -90,7 +94,9 @@ def test_contended_task_leaves_a_mark_and_the_holder_drains_it(
 
 
 def test_transient_errors_retry_then_dead_letter(
-    res: processing.Resources, gateway_sim: SimHandle, db_conn: psycopg.Connection,  # type: ignore[type-arg]
+    res: processing.Resources,
+    gateway_sim: SimHandle,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(res.settings, "retry_max_attempts", 3)
@@ -99,15 +105,15 @@ def test_transient_errors_retry_then_dead_letter(
     _submit(batches)
     processing.run_account("acct-0000", batches[0]["batch_id"], res)
     assert _statuses(db_conn) == {"dead": 4}
-    rows = db_conn.execute(
-        "SELECT reason, attempts FROM dead_letters ORDER BY id"
-    ).fetchall()
+    rows = db_conn.execute("SELECT reason, attempts FROM dead_letters ORDER BY id").fetchall()
     assert rows == [("retries_exhausted", 3)] * 4
     assert gateway_sim.ledger()["payments_sent"] == 0
 
 
 def test_lost_responses_resolved_by_lookup_never_paid_twice(
-    res: processing.Resources, gateway_sim: SimHandle, db_conn: psycopg.Connection,  # type: ignore[type-arg]
+    res: processing.Resources,
+    gateway_sim: SimHandle,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
     gateway_sim.configure(p_lost=0.5)
     batches = make_batches(batches=2, items=20, accounts=1, prefix="l")
@@ -123,7 +129,9 @@ def test_lost_responses_resolved_by_lookup_never_paid_twice(
 
 
 def test_crash_between_intent_and_outcome_is_looked_up(
-    res: processing.Resources, gateway_sim: SimHandle, db_conn: psycopg.Connection,  # type: ignore[type-arg]
+    res: processing.Resources,
+    gateway_sim: SimHandle,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
     from payment_worker.db import transactions as repo
 
@@ -139,8 +147,9 @@ def test_crash_between_intent_and_outcome_is_looked_up(
     from payment_worker.payments import PaymentRequest
 
     it = items[0]
-    req = PaymentRequest(it.account_id, it.transaction_id, it.amount, it.currency,
-                         it.beneficiary, it.description)
+    req = PaymentRequest(
+        it.account_id, it.transaction_id, it.amount, it.currency, it.beneficiary, it.description
+    )
     assert res.gateway.create_payment(it.account_id, req, it.idempotency_key).http_status == 201
     lock.release()
     assert _statuses(db_conn) == {"dispatching": 3}
@@ -153,7 +162,8 @@ def test_crash_between_intent_and_outcome_is_looked_up(
 
 
 def test_old_holder_is_fenced_out(
-    res: processing.Resources, db_conn: psycopg.Connection  # type: ignore[type-arg]
+    res: processing.Resources,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
     from payment_worker.db import transactions as repo
     from payment_worker.db.fences import next_fence_token
@@ -169,9 +179,12 @@ def test_old_holder_is_fenced_out(
         new = next_fence_token(conn, "acct-0000")
         assert new > old
         with pytest.raises(FencedOut):
-            repo.record_outcomes(conn, "acct-0000", old, [
-                repo.Outcome(id=i.id, status="succeeded", attempts=1, lookups=0) for i in items
-            ])
+            repo.record_outcomes(
+                conn,
+                "acct-0000",
+                old,
+                [repo.Outcome(id=i.id, status="succeeded", attempts=1, lookups=0) for i in items],
+            )
         with pytest.raises(FencedOut):
             repo.claim_due(conn, "acct-0000", old, 10)
     assert _statuses(db_conn) == {"dispatching": 2}

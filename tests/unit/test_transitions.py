@@ -25,9 +25,15 @@ def r(outcome: Outcome, status: int | None = None, **kw: object) -> GatewayResul
 
 def test_send_success_and_decline_are_final() -> None:
     d = after_send(r(Outcome.SUCCEEDED, 201, payment_id="p1"), attempts=1, lookups=0, policy=POLICY)
-    assert (d.status, d.payment_id, d.key_status, d.terminal) == ("succeeded", "p1", "applied", True)
-    d = after_send(r(Outcome.DECLINED, 402, reason="insufficient_funds"), attempts=1, lookups=0,
-                   policy=POLICY)
+    assert (d.status, d.payment_id, d.key_status, d.terminal) == (
+        "succeeded",
+        "p1",
+        "applied",
+        True,
+    )
+    d = after_send(
+        r(Outcome.DECLINED, 402, reason="insufficient_funds"), attempts=1, lookups=0, policy=POLICY
+    )
     assert (d.status, d.key_status) == ("failed", "declined")
     d = after_send(r(Outcome.PERMANENT, 422), attempts=1, lookups=0, policy=POLICY)
     assert d.status == "failed"
@@ -55,7 +61,9 @@ def test_unknown_is_never_failed() -> None:
 
 
 def test_lookup_outcomes() -> None:
-    d = after_lookup(r(Outcome.SUCCEEDED, 200, payment_id="p"), attempts=1, lookups=1, policy=POLICY)
+    d = after_lookup(
+        r(Outcome.SUCCEEDED, 200, payment_id="p"), attempts=1, lookups=1, policy=POLICY
+    )
     assert (d.status, d.payment_id) == ("succeeded", "p")
     d = after_lookup(r(Outcome.DECLINED, 200), attempts=1, lookups=1, policy=POLICY)
     assert d.status == "failed"
