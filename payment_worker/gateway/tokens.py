@@ -41,6 +41,9 @@ from payment_worker.observability.metrics import GATEWAY_TOKEN_REFRESHES
 
 log = get_logger("gateway.tokens")
 
+# a process-local copy of a token is dropped this long before the token comes due
+_LOCAL_MARGIN_MS = 100
+
 # KEYS[1] lock; ARGV[1] owner. Deletes the lock only if it is still ours.
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -109,6 +112,10 @@ class TokenManager:
         self._release = redis_client.register_script(_RELEASE)
         self._store = redis_client.register_script(_STORE)
         self._rng = random.Random()
+        # account -> (token, monotonic time it comes due). Until then no process refreshes
+        # it (all judge "due" by the same lead stored with the token), so reading Redis on
+        # every call would only cost a round trip; a 401 bypasses this copy.
+        self._local: dict[str, tuple[str, float]] = {}
 
     # --- keys ---------------------------------------------------------------------------
     def token_key(self, account_id: str) -> str:
@@ -129,7 +136,18 @@ class TokenManager:
         (token, lead), pttl = pipe.execute()
         if token is None or pttl is None or int(pttl) <= 0:
             return None
-        return CachedToken(_s(token), int(pttl), int(lead or 0))
+        found = CachedToken(_s(token), int(pttl), int(lead or 0))
+        self._remember(account_id, found.token, found.remaining_ms - found.lead_ms)
+        return found
+
+    def _remember(self, account_id: str, token: str, fresh_ms: int) -> None:
+        if fresh_ms > _LOCAL_MARGIN_MS:
+            self._local[account_id] = (
+                token,
+                time.monotonic() + (fresh_ms - _LOCAL_MARGIN_MS) / 1e3,
+            )
+        else:
+            self._local.pop(account_id, None)
 
     # --- the one entry point -----------------------------------------------------------
     def get(self, account_id: str, rejected: str | None = None) -> str | GatewayResult:
@@ -139,6 +157,12 @@ class TokenManager:
         if that token is still the shared one; if another worker already replaced it, the
         replacement is returned and nothing is fetched (compare and refresh).
         """
+        if rejected is None:
+            hit = self._local.get(account_id)
+            if hit is not None and time.monotonic() < hit[1]:
+                return hit[0]
+        else:
+            self._local.pop(account_id, None)
         deadline = time.monotonic() + self._lock_ttl_ms / 1000.0 + 2.0
         while True:
             cur = self.cached(account_id)
@@ -192,6 +216,8 @@ class TokenManager:
             keys=[self.lock_key(account_id), self.token_key(account_id)],
             args=[owner, token, lead_ms, ttl_ms],
         )
+        if stored:
+            self._remember(account_id, token, ttl_ms - lead_ms)
         log.info(
             "token refreshed",
             account_id=account_id,

@@ -203,3 +203,23 @@ def test_refresh_points_are_jittered_across_accounts(
     assert all(10_000 <= lead <= 20_000 for lead in leads)
     assert max(leads) - min(leads) > 5_000
     assert len(set(leads)) > 35
+
+
+def test_a_fresh_token_is_served_from_the_process_copy_until_due(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    first = mgr.get(ACCT)
+    assert isinstance(first, str)
+    # the shared copy disappears: a fresh process copy is still served, with no Redis read
+    redis_client.delete(mgr.token_key(ACCT))
+    assert mgr.get(ACCT) == first
+    assert gateway_sim.ledger()["tokens_issued"] == 1
+    # after a 401 the process copy is bypassed: Redis has none, so this caller refreshes
+    second = mgr.get(ACCT, rejected=first)
+    assert isinstance(second, str) and second != first
+    assert gateway_sim.ledger()["tokens_issued"] == 2
+    # and once a token comes due, the process copy is not trusted either
+    redis_client.hset(mgr.token_key(ACCT), "lead_ms", 10**9)
+    assert mgr.cached(ACCT) is not None
+    assert mgr._local.get(ACCT) is None
