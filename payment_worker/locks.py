@@ -29,9 +29,7 @@ from typing import Any
 
 import redis
 import sqlalchemy
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from payment_worker.db.fences import next_fence_token
 from payment_worker.errors import LockLost, LockNotAcquired
@@ -44,7 +42,7 @@ from payment_worker.observability.metrics import (
     LOCK_RENEWALS,
 )
 from payment_worker.settings import get_settings
-from payment_worker.watchdog import Watchdog
+from payment_worker.watchdog import RENEW_LUA, Watchdog, renewal_client
 
 log = get_logger("locks")
 
@@ -86,17 +84,6 @@ local function keep_queue(ms)
     if redis.call('PTTL', KEYS[i]) < ms then redis.call('PEXPIRE', KEYS[i], ms) end
   end
 end
-"""
-
-# ARGV[1] token, ARGV[2] ttl ms. 1 renewed, 0 key gone, -1 owned by another token.
-_RENEW_LUA = """
-local cur = redis.call('GET', KEYS[1])
-if cur == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-if cur then return -1 end
-return 0
 """
 
 # ARGV[1] token, ARGV[2] ttl ms. {1} released, {2, next} handed to the oldest live waiter,
@@ -221,46 +208,6 @@ def _fence(engine: sqlalchemy.Engine, account_id: str) -> int:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-# The watchdog renews through its own small pool built from the caller's connection
-# settings, with no client-side retries and a socket timeout of at most TTL/3: the
-# default redis-py retries can stretch one failed call over seconds, and a client
-# without a socket timeout would block forever on a hung server.
-_renewal_clients: weakref.WeakKeyDictionary[
-    redis.ConnectionPool, tuple[int, dict[float, redis.Redis]]
-] = weakref.WeakKeyDictionary()
-# per-pool state of the pool's notification machinery, not connection settings
-_POOL_OWNED_KWARGS = ("maint_notifications", "orig_")
-
-
-def _renewal_client(client: redis.Redis, ttl_ms: int) -> redis.Redis:
-    pool = client.connection_pool
-    kwargs = dict(pool.connection_kwargs)
-    limit = ttl_ms / 3000
-    timeout = round(min(limit, float(kwargs.get("socket_timeout") or limit)), 3)
-    with _fence_engines_lock:
-        entry = _renewal_clients.get(pool)
-        if entry is None or entry[0] != os.getpid():
-            entry = (os.getpid(), {})
-            _renewal_clients[pool] = entry
-        renewer = entry[1].get(timeout)
-        if renewer is None:
-            for name in list(kwargs):
-                if name.startswith(_POOL_OWNED_KWARGS):
-                    del kwargs[name]
-            kwargs.update(
-                retry=Retry(NoBackoff(), 0),
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-            )
-            renewer = redis.Redis(
-                connection_pool=redis.ConnectionPool(
-                    connection_class=pool.connection_class, max_connections=8, **kwargs
-                )
-            )
-            entry[1][timeout] = renewer
-        return renewer
-
-
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -307,7 +254,7 @@ class AccountLock:
         self._token: str | None = None
         self._deadline = 0.0
         self._watchdog: Watchdog | None = None
-        self._renew = _renewal_client(redis, self.ttl_ms).register_script(_RENEW_LUA)
+        self._renew = renewal_client(redis, self.ttl_ms).register_script(RENEW_LUA)
         self._release = redis.register_script(_RELEASE_LUA)
         self._wait = redis.register_script(_WAIT_LUA)
         self._cancel = redis.register_script(_CANCEL_LUA)
