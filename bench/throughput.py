@@ -55,6 +55,42 @@ def _rss_kb(pid: int) -> int:
     return total
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its reaped children (clock ticks to seconds)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    split = os.environ.get("PW_BENCH_CPU")  # "user" or "sys": one of the two only
+    idx = {"user": (11, 13), "sys": (12, 14)}.get(split or "", None)
+    if idx is not None:
+        return sum(int(fields[i]) for i in idx) / os.sysconf("SC_CLK_TCK")
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _pids_named(fragment: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if fragment in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def _cpu_by_component(cluster: Any) -> dict[str, float]:
+    workers = [w.pid for w in cluster.workers()]
+    sim = [p.pid for p in cluster.processes if p.name == "gateway-sim"]
+    return {
+        "worker": sum(_cpu_seconds(p) for p in workers),
+        "sim": sum(_cpu_seconds(p) for p in sim),
+        "postgres": sum(_cpu_seconds(p) for p in _pids_named("postgres")),
+        "redis": sum(_cpu_seconds(p) for p in _pids_named("redis-server")),
+    }
+
+
 def _redis_calls(r: Any) -> int:
     stats = r.info("commandstats")
     return sum(int(v["calls"]) for v in stats.values())
@@ -127,6 +163,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         time.sleep(args.warmup)
         with psycopg.connect(db_url, autocommit=True) as conn:
             x0, c0 = _xacts(conn), _redis_calls(r)
+            cpu0 = _cpu_by_component(cluster)
             t0 = time.monotonic()
             for b in batches:
                 enqueue_batch(b["batch_id"])
@@ -146,6 +183,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 time.sleep(0.05)
             elapsed = time.monotonic() - t0
             c1 = _redis_calls(r)
+            cpu1 = _cpu_by_component(cluster)
             time.sleep(1.2)  # PostgreSQL publishes backend statistics at most once a second
             x1 = _xacts(conn) - polls - 1
         execs: dict[str, float] = {}
@@ -168,6 +206,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         if execs
         else float("nan"),
         "double": len(ledger.get("double_payments", [])),
+        # CPU microseconds per item, by process kind (postgres/redis: every such process here)
+        "cpu_us": {k: 1e6 * (cpu1[k] - cpu0[k]) / total for k in cpu0},
         "bound": min(sc["accounts"], slots) / (sc["latency_ms"] / 1000)
         if sc["latency_ms"]
         else None,
@@ -214,6 +254,10 @@ def main() -> int:
             f"{r['peak_rss_mb']:>11.0f} | {r['execs_per_batch']:>11.2f} | "
             f"{r['wasted_per_batch']:>12.2f} | {bound:>7} | {pct:>7} | {r['double']:>6} |"
         )
+    print()
+    print("CPU per item (µs): " + "; ".join(
+        r["scenario"] + ": " + ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_us"].items())
+        for r in rows))
     return 0 if all(r["double"] == 0 for r in rows) else 1
 
 

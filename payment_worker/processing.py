@@ -176,7 +176,13 @@ def _drain(res: Resources, lock: AccountLock, batch_id: str, report: DrainReport
                 items = repo.claim_due(conn, account_id, token, s.process_chunk_size)
                 if items:
                     _process_chunk(res, conn, lock, token, items, report)
-                    repo.complete_batches(conn, account_id)
+                    # items are claimed in batch order: a batch followed by another in this
+                    # chunk, or ending a short chunk, has nothing more to claim now
+                    done = {i.batch_pk for i in items}
+                    if len(items) == s.process_chunk_size:
+                        done.discard(items[-1].batch_pk)
+                    if done:
+                        repo.complete_batches(conn, account_id, sorted(done))
                     if time.monotonic() < deadline:
                         continue
                     _schedule(res, account_id, batch_id, 0.0, report)

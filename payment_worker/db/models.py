@@ -98,6 +98,13 @@ Index(
     transactions.c.status,
     postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"),
 )
+Index(
+    "transactions_open_account_order_idx",
+    transactions.c.account_id,
+    transactions.c.batch_pk,
+    transactions.c.id,
+    postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"),
+)
 
 idempotency_keys = Table(
     "idempotency_keys",

@@ -99,17 +99,15 @@ started AS (
     UPDATE batches b SET status = 'processing', updated_at = now()
     WHERE b.id IN (SELECT batch_pk FROM upd) AND b.status = 'pending'
 )
+-- one row even when nothing was claimed, so the fence verdict needs no second query
 SELECT upd.*, COALESCE(keys.request_fingerprint, k2.request_fingerprint) AS request_fingerprint,
-       (SELECT count(*) FROM fence) AS fenced_ok
-FROM upd
+       f.fenced_ok
+FROM (SELECT count(*) AS fenced_ok FROM fence) f
+LEFT JOIN upd ON true
 LEFT JOIN keys ON keys.transaction_pk = upd.id
 LEFT JOIN idempotency_keys k2 ON k2.transaction_pk = upd.id
 ORDER BY upd.batch_pk, upd.id
 """)
-
-_FENCE_OK = text(
-    "SELECT count(*) FROM account_fences WHERE account_id = :acct AND fence_token = :tok"
-)
 
 
 def _fence_rejected(account_id: str, token: int) -> FencedOut:
@@ -120,11 +118,8 @@ def _fence_rejected(account_id: str, token: int) -> FencedOut:
 def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
     """Claim up to ``limit`` due items of the account (fenced); [] when nothing is due."""
     rows = conn.execute(_CLAIM, {"acct": account_id, "tok": token, "n": limit}).mappings().all()
-    if not rows:
-        # no row: nothing due, or the fence rejected us; tell the two apart (rare path)
-        if not conn.execute(_FENCE_OK, {"acct": account_id, "tok": token}).scalar():
-            raise _fence_rejected(account_id, token)
-        return []
+    if not rows[0]["fenced_ok"]:
+        raise _fence_rejected(account_id, token)
     return [
         ClaimedItem(
             id=r["id"],
@@ -142,6 +137,7 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list
             request_fingerprint=r["request_fingerprint"],
         )
         for r in rows
+        if r["id"] is not None
     ]
 
 
@@ -225,6 +221,7 @@ FROM (
            count(*) FILTER (WHERE status = 'dead') AS dead
     FROM transactions
     WHERE batch_pk IN (SELECT id FROM batches WHERE account_id = :acct AND status <> 'completed')
+      AND (CAST(:pks AS bigint[]) IS NULL OR batch_pk = ANY(CAST(:pks AS bigint[])))
     GROUP BY batch_pk
     HAVING bool_and(status IN ('succeeded', 'failed', 'dead'))
 ) s
@@ -233,9 +230,13 @@ RETURNING b.batch_id
 """)
 
 
-def complete_batches(conn: Connection, account_id: str) -> list[str]:
-    """Mark the account's batches whose items are all terminal as completed; returns their ids."""
-    return list(conn.execute(_COMPLETE, {"acct": account_id}).scalars())
+def complete_batches(
+    conn: Connection, account_id: str, batch_pks: Sequence[int] | None = None
+) -> list[str]:
+    """Complete the account's batches (all, or those in ``batch_pks``) whose items are all
+    terminal; returns their batch ids."""
+    pks = None if batch_pks is None else list(batch_pks)
+    return list(conn.execute(_COMPLETE, {"acct": account_id, "pks": pks}).scalars())
 
 
 _NEXT_DUE = text("""
