@@ -93,12 +93,6 @@ Index(
     postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"),
 )
 Index(
-    "transactions_open_account_idx",
-    transactions.c.account_id,
-    transactions.c.status,
-    postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"),
-)
-Index(
     "transactions_open_account_order_idx",
     transactions.c.account_id,
     transactions.c.batch_pk,

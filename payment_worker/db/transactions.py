@@ -89,23 +89,15 @@ upd AS (
     RETURNING t.id, t.batch_pk, t.account_id, t.transaction_id, t.amount, t.currency,
               t.beneficiary, t.description, t.idempotency_key, t.status, t.attempts, t.lookups
 ),
-keys AS (
-    UPDATE idempotency_keys k SET status = 'sent', attempts = k.attempts + 1,
-        fence_token = :tok, updated_at = now()
-    FROM upd WHERE k.transaction_pk = upd.id AND upd.status = 'dispatching'
-    RETURNING k.transaction_pk, k.request_fingerprint
-),
 started AS (
     UPDATE batches b SET status = 'processing', updated_at = now()
     WHERE b.id IN (SELECT batch_pk FROM upd) AND b.status = 'pending'
 )
 -- one row even when nothing was claimed, so the fence verdict needs no second query
-SELECT upd.*, COALESCE(keys.request_fingerprint, k2.request_fingerprint) AS request_fingerprint,
-       f.fenced_ok
+SELECT upd.*, k.request_fingerprint, f.fenced_ok
 FROM (SELECT count(*) AS fenced_ok FROM fence) f
 LEFT JOIN upd ON true
-LEFT JOIN keys ON keys.transaction_pk = upd.id
-LEFT JOIN idempotency_keys k2 ON k2.transaction_pk = upd.id
+LEFT JOIN idempotency_keys k ON k.transaction_pk = upd.id
 ORDER BY upd.batch_pk, upd.id
 """)
 
@@ -161,10 +153,13 @@ upd AS (
               v.dead_reason, v.error_class, v.error, t.idempotency_key
 ),
 keys AS (
-    UPDATE idempotency_keys k SET status = upd.key_status,
+    -- written once per step, with the outcome (the transaction row already holds the
+    -- intent): final answers, "not_applied", or "sent" while the outcome is unknown
+    UPDATE idempotency_keys k SET status = COALESCE(upd.key_status, 'sent'),
+        attempts = upd.attempts,
         result_ref = COALESCE(upd.payment_id, upd.error_class, k.result_ref),
         fence_token = :tok, updated_at = now()
-    FROM upd WHERE k.transaction_pk = upd.id AND upd.key_status IS NOT NULL
+    FROM upd WHERE k.transaction_pk = upd.id
 ),
 dead AS (
     INSERT INTO dead_letters (transaction_pk, batch_pk, reason, error_class, attempts, payload)

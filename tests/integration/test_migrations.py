@@ -59,3 +59,16 @@ def test_constraints(db_conn: psycopg.Connection) -> None:  # type: ignore[type-
         except psycopg.errors.IntegrityError:
             continue
         raise AssertionError(f"accepted {args}")
+
+
+def test_models_match_the_migrations(pw_env: PwEnv) -> None:
+    """The SQLAlchemy tables and the alembic head describe the same schema."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from payment_worker.db.engine import get_engine
+    from payment_worker.db.models import metadata
+
+    with get_engine().connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), metadata)
+    assert diff == []
