@@ -206,6 +206,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         if execs
         else float("nan"),
         "double": len(ledger.get("double_payments", [])),
+        "http_429": ledger.get("http_429_by_cause", {}),
         # CPU microseconds per item, by process kind (postgres/redis: every such process here)
         "cpu_us": {k: 1e6 * (cpu1[k] - cpu0[k]) / total for k in cpu0},
         "bound": min(sc["accounts"], slots) / (sc["latency_ms"] / 1000)
@@ -255,6 +256,8 @@ def main() -> int:
             f"{r['wasted_per_batch']:>12.2f} | {bound:>7} | {pct:>7} | {r['double']:>6} |"
         )
     print()
+    print("429 answers by cause: " + "; ".join(
+        f"{r['scenario']}: {r['http_429']}" for r in rows))
     print("CPU per item (µs): " + "; ".join(
         r["scenario"] + ": " + ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_us"].items())
         for r in rows))

@@ -109,6 +109,7 @@ class DrainReport:
     items: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     scheduled_in: float | None = None
+    handed_off: bool = False
 
 
 def run_batch_task(batch_id: str) -> DrainReport:
@@ -146,7 +147,12 @@ def run_account(account_id: str, batch_id: str, res: Resources | None = None) ->
             IN_PROGRESS.dec()
             lock.release()
             BATCH_SECONDS.observe(time.monotonic() - started)
-        if report.result in ("lock_lost", "fenced_out") or not res.redis.exists(waiting):
+        if report.handed_off:
+            _hand_off(res, account_id, batch_id)
+            break
+        if report.result in ("lock_lost", "fenced_out"):
+            break
+        if not res.redis.exists(waiting):
             break
     TASK_EXECUTIONS.labels(report.result).inc()
     log.info(
@@ -185,7 +191,7 @@ def _drain(res: Resources, lock: AccountLock, batch_id: str, report: DrainReport
                         repo.complete_batches(conn, account_id, sorted(done))
                     if time.monotonic() < deadline:
                         continue
-                    _schedule(res, account_id, batch_id, 0.0, report)
+                    report.handed_off = True  # run_account re-enqueues after releasing
                     return
                 repo.complete_batches(conn, account_id)
                 wait = repo.seconds_until_next_due(conn, account_id)
@@ -202,6 +208,19 @@ def _drain(res: Resources, lock: AccountLock, batch_id: str, report: DrainReport
         except FencedOut as exc:
             report.result = "fenced_out"
             log.warning("fenced_out", account_id=account_id, reason=str(exc))
+
+
+def _hand_off(res: Resources, account_id: str, batch_id: str) -> None:
+    """End of a slice: the account goes back to the queue (after the lock is released, so the
+    next execution finds it free), and any free worker in any process continues it while
+    other accounts get their turn."""
+    from payment_worker.tasks import enqueue_batch
+
+    try:
+        enqueue_batch(batch_id)
+    except Exception as exc:
+        # broker down: the sweeper re-enqueues stalled accounts
+        log.warning("hand_off_failed", account_id=account_id, error=repr(exc))
 
 
 def _sleep_holding(lock: AccountLock, seconds: float) -> None:

@@ -78,8 +78,9 @@ class Settings(BaseSettings):
     process_chunk_size: int = Field(20, ge=1, le=1000)
     # a holder waits this long for its account's next retry before releasing the lock
     hold_wait_max_seconds: float = Field(2.0, ge=0)
-    # a holder releases after this long and re-enqueues, so one account cannot pin a worker
-    drain_max_seconds: float = Field(300.0, gt=0)
+    # a holder hands its account back to the queue after this long (at a chunk boundary), so
+    # one account cannot pin a worker slot and the load rebalances across worker processes
+    drain_max_seconds: float = Field(10.0, gt=0)
 
     # --- celery -------------------------------------------------------------------------
     visibility_timeout: int = Field(3600, gt=0)

@@ -188,3 +188,29 @@ def test_old_holder_is_fenced_out(
         with pytest.raises(FencedOut):
             repo.claim_due(conn, "acct-0000", old, 10)
     assert _statuses(db_conn) == {"dispatching": 2}
+
+
+def test_a_long_drain_hands_the_account_back_to_the_queue(
+    res: processing.Resources,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import redis
+
+    monkeypatch.setattr(res.settings, "drain_max_seconds", 0.01)
+    monkeypatch.setattr(res.settings, "process_chunk_size", 5)
+    batches = make_batches(batches=2, items=10, accounts=1, prefix="h")
+    _submit(batches)
+    broker = redis.Redis.from_url(pw_env.broker_url)
+    report = processing.run_account("acct-0000", batches[0]["batch_id"], res)
+    # one slice, then the lock is free and one continuation message waits in the broker
+    assert report.handed_off and report.items == 5
+    assert broker.llen("payments") == 1
+    lock = AccountLock(res.redis, "acct-0000", engine=res.engine)
+    assert lock.acquire()
+    lock.release()
+    for _ in range(10):
+        if not processing.run_account("acct-0000", batches[0]["batch_id"], res).handed_off:
+            break
+    assert _statuses(db_conn) == {"succeeded": 20}
