@@ -38,6 +38,7 @@ from payment_worker.services import redis_url
 from payment_worker.settings import Settings, get_settings
 from payment_worker.transitions import (
     FINGERPRINT_MISMATCH,
+    TERMINAL,
     Decision,
     Policy,
     after_lookup,
@@ -275,7 +276,7 @@ def _process_chunk(
             report.items += len(outcomes)
             report.result = "processed"
             for o in outcomes:
-                if o.status in ("succeeded", "failed", "dead"):
+                if o.status in TERMINAL:
                     report.finished[o.status] = report.finished.get(o.status, 0) + 1
                     TRANSACTIONS_FINISHED.labels(o.status).inc()
                     if o.dead_reason:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from payment_worker.db.models import TERMINAL_TX_STATUSES
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
 from payment_worker.retry import Backoff
 
-TERMINAL = frozenset({"succeeded", "failed", "dead"})
+TERMINAL = frozenset(TERMINAL_TX_STATUSES)
 
 # dead-letter reasons
 RETRIES_EXHAUSTED = "retries_exhausted"

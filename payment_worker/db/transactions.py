@@ -20,8 +20,6 @@ from sqlalchemy import Connection, text
 from payment_worker.errors import FencedOut
 from payment_worker.observability.metrics import FENCING_REJECTIONS
 
-OPEN_STATUSES = ("pending", "dispatching", "retryable", "unknown")
-
 
 @dataclass(frozen=True, slots=True)
 class ClaimedItem:
