@@ -62,7 +62,7 @@ def _cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     split = os.environ.get("PW_BENCH_CPU")  # "user" or "sys": one of the two only
-    idx = {"user": (11, 13), "sys": (12, 14)}.get(split or "", None)
+    idx = {"user": (11, 13), "sys": (12, 14)}.get(split or "")
     if idx is not None:
         return sum(int(fields[i]) for i in idx) / os.sysconf("SC_CLK_TCK")
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
@@ -256,11 +256,14 @@ def main() -> int:
             f"{r['wasted_per_batch']:>12.2f} | {bound:>7} | {pct:>7} | {r['double']:>6} |"
         )
     print()
-    print("429 answers by cause: " + "; ".join(
-        f"{r['scenario']}: {r['http_429']}" for r in rows))
-    print("CPU per item (µs): " + "; ".join(
-        r["scenario"] + ": " + ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_us"].items())
-        for r in rows))
+    print("429 answers by cause: " + "; ".join(f"{r['scenario']}: {r['http_429']}" for r in rows))
+    print(
+        "CPU per item (µs): "
+        + "; ".join(
+            r["scenario"] + ": " + ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_us"].items())
+            for r in rows
+        )
+    )
     return 0 if all(r["double"] == 0 for r in rows) else 1
 
 
