@@ -38,6 +38,8 @@ def configure_logging(level: str = "INFO", json_lines: bool = False) -> None:
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s %(message)s"
     )
+    # one line per HTTP request is noise at INFO; our own gateway logs say what matters
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
