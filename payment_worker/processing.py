@@ -189,12 +189,12 @@ def _drain(res: Resources, lock: AccountLock, batch_id: str, report: DrainReport
                     if len(items) == s.process_chunk_size:
                         done.discard(items[-1].batch_pk)
                     if done:
-                        repo.complete_batches(conn, account_id, sorted(done))
+                        repo.complete_batches(conn, account_id, token, sorted(done))
                     if time.monotonic() < deadline:
                         continue
                     report.handed_off = True  # run_account re-enqueues after releasing
                     return
-                repo.complete_batches(conn, account_id)
+                repo.complete_batches(conn, account_id, token)
                 wait = repo.seconds_until_next_due(conn, account_id)
                 if wait is None:
                     return

@@ -204,7 +204,8 @@ def record_outcomes(
     return int(row.updated)
 
 
-_COMPLETE = text("""
+_COMPLETE = text(f"""
+WITH {_FENCE_CTE}
 UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = now(),
     succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
 FROM (
@@ -218,18 +219,21 @@ FROM (
     GROUP BY batch_pk
     HAVING bool_and(status IN ('succeeded', 'failed', 'dead'))
 ) s
-WHERE b.id = s.batch_pk AND b.status <> 'completed'
+WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
 RETURNING b.batch_id
 """)
 
 
 def complete_batches(
-    conn: Connection, account_id: str, batch_pks: Sequence[int] | None = None
+    conn: Connection, account_id: str, token: int, batch_pks: Sequence[int] | None = None
 ) -> list[str]:
     """Complete the account's batches (all, or those in ``batch_pks``) whose items are all
     terminal; returns their batch ids."""
     pks = None if batch_pks is None else list(batch_pks)
-    return list(conn.execute(_COMPLETE, {"acct": account_id, "pks": pks}).scalars())
+    # fenced like every write: a replaced holder changes nothing (it would only ever complete
+    # a batch whose items are all terminal, but the rule has no exceptions)
+    params = {"acct": account_id, "tok": token, "pks": pks}
+    return list(conn.execute(_COMPLETE, params).scalars())
 
 
 _NEXT_DUE = text("""

@@ -187,7 +187,12 @@ def test_old_holder_is_fenced_out(
             )
         with pytest.raises(FencedOut):
             repo.claim_due(conn, "acct-0000", old, 10)
-    assert _statuses(db_conn) == {"dispatching": 2}
+        assert _statuses(db_conn) == {"dispatching": 2}
+        done = [repo.Outcome(id=i.id, status="succeeded", attempts=1, lookups=0) for i in items]
+        assert repo.record_outcomes(conn, "acct-0000", new, done) == 2
+        # completing the batch is fenced too: the old holder changes nothing, the new one does
+        assert repo.complete_batches(conn, "acct-0000", old) == []
+        assert repo.complete_batches(conn, "acct-0000", new) == [batches[0]["batch_id"]]
 
 
 def test_a_long_drain_hands_the_account_back_to_the_queue(
