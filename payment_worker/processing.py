@@ -96,8 +96,7 @@ def reset_resources() -> None:
     """Forget this process's clients (tests, or after settings change)."""
     with _res_lock:
         for res in _resources.values():
-            if res.settings is not None:
-                res.gateway.close()
+            res.gateway.close()
         _resources.clear()
 
 
@@ -320,16 +319,19 @@ def _process_item(res: Resources, lock: AccountLock, item: repo.ClaimedItem) -> 
         )
         return _outcome(item, d, attempts, lookups)
     policy = res.policy
+    # ensure_held() runs inside the client right before each send (after any pacing wait)
     if item.status == "unknown":
-        lock.ensure_held()
-        found = res.gateway.lookup_payment(item.account_id, item.idempotency_key)
+        found = res.gateway.lookup_payment(
+            item.account_id, item.idempotency_key, guard=lock.ensure_held
+        )
         lookups += 1
         LOOKUPS.labels(found.outcome.value).inc()
         d = after_lookup(found, attempts=attempts, lookups=lookups, policy=policy)
         if not d.send_now:
             return _outcome(item, d, attempts, lookups)
         attempts += 1  # never applied: send again under the same key
-    lock.ensure_held()
-    result = res.gateway.create_payment(item.account_id, request, item.idempotency_key)
+    result = res.gateway.create_payment(
+        item.account_id, request, item.idempotency_key, guard=lock.ensure_held
+    )
     d = after_send(result, attempts=attempts, lookups=lookups, policy=policy)
     return _outcome(item, d, attempts, lookups)

@@ -45,6 +45,7 @@ from payment_worker.settings import Settings, get_settings
 log = get_logger("gateway.client")
 
 Classifier = Callable[[int, httpx.Headers, bytes], GatewayResult]
+Guard = Callable[[], None]
 
 
 def check_idempotency_key(key: str) -> None:
@@ -131,9 +132,17 @@ class GatewayClient:
 
     # --- the protocol -----------------------------------------------------------------
     def create_payment(
-        self, account_id: str, transaction: PaymentRequest, idempotency_key: str
+        self,
+        account_id: str,
+        transaction: PaymentRequest,
+        idempotency_key: str,
+        guard: Guard | None = None,
     ) -> GatewayResult:
-        """``POST /v1/accounts/{account_id}/payments`` with the transaction's stable key."""
+        """``POST /v1/accounts/{account_id}/payments`` with the transaction's stable key.
+
+        ``guard`` (e.g. ``AccountLock.ensure_held``) runs right before every send, after the
+        token and the pacing wait, so a lock lost while waiting stops the send (it raises).
+        """
         if transaction.account_id != account_id:
             raise ValueError(
                 f"transaction {transaction.transaction_id!r} belongs to account "
@@ -151,10 +160,13 @@ class GatewayClient:
                 {"Authorization": f"Bearer {token}", "Idempotency-Key": idempotency_key},
                 transaction.body(),
             ),
+            guard,
         )
 
-    def lookup_payment(self, account_id: str, idempotency_key: str) -> GatewayResult:
-        """``GET /v1/accounts/{account_id}/payments/{idempotency_key}``."""
+    def lookup_payment(
+        self, account_id: str, idempotency_key: str, guard: Guard | None = None
+    ) -> GatewayResult:
+        """``GET /v1/accounts/{account_id}/payments/{idempotency_key}``; ``guard`` as above."""
         check_idempotency_key(idempotency_key)
         path = f"/v1/accounts/{_seg(account_id)}/payments/{_seg(idempotency_key)}"
         return self._call(
@@ -162,6 +174,7 @@ class GatewayClient:
             account_id,
             classify_lookup,
             lambda token: self._request("GET", path, {"Authorization": f"Bearer {token}"}),
+            guard,
         )
 
     def close(self) -> None:
@@ -184,6 +197,7 @@ class GatewayClient:
         account_id: str,
         classify: Classifier,
         send: Callable[[str], httpx.Response],
+        guard: Guard | None = None,
     ) -> GatewayResult:
         rejected: str | None = None
         result: GatewayResult | None = None
@@ -206,6 +220,8 @@ class GatewayClient:
                     retry_after=paced.retry_after,
                 )
                 return self._done(endpoint, account_id, res)
+            if guard is not None:
+                guard()  # the last moment before a side effect: the pacing wait may be long
             result = self._send(endpoint, classify, send, token)
             if result.http_status == 429:
                 GATEWAY_RATE_LIMITED.labels(endpoint=endpoint).inc()

@@ -287,3 +287,24 @@ def test_tokens_are_refreshed_ahead_of_expiry_without_401(
     assert ledger["http_401"] == 0
     # 2.6 s of 1 s tokens refreshed 15-30 % early: 3 or 4 tokens, never one per request
     assert 3 <= ledger["tokens_issued"] <= 4
+
+
+def test_guard_runs_after_the_pacing_wait_and_stops_the_send(
+    client: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    from payment_worker.errors import LockLost
+
+    p = tx("g1")
+    client.pacer.cooldown(p.account_id, 0.5)  # a 429 cooldown: the call first waits
+    calls: list[float] = []
+    start = time.monotonic()
+
+    def lost() -> None:
+        calls.append(time.monotonic() - start)
+        raise LockLost("lock expired while waiting for the account's slot")
+
+    with pytest.raises(LockLost):
+        client.create_payment(p.account_id, p, p.idempotency_key, guard=lost)
+    assert len(calls) == 1 and calls[0] >= 0.45  # checked after the wait, not before it
+    ledger = gateway_sim.ledger()
+    assert ledger["payments_sent"] == 0 and ledger["requests"].get("create", 0) == 0
