@@ -4,14 +4,24 @@ no server). Every reliability setting is deliberate; tests/unit/test_celery_conf
 
 from __future__ import annotations
 
+import sys
+
 from kombu import Exchange, Queue
 
+from payment_worker.embedded import EmbeddedError
 from payment_worker.services import broker_url as _broker_url
-from payment_worker.settings import get_settings
+from payment_worker.services import require_servers
+from payment_worker.settings import SettingsError, get_settings
 
 _s = get_settings()
 
-broker_url = _broker_url(_s)
+try:
+    require_servers(_s)
+    broker_url = _broker_url(_s)
+except EmbeddedError as _exc:
+    # celery worker/beat: the same one line and exit code 2 as the payment-worker command
+    print(f"payment-worker: {_exc}", file=sys.stderr)
+    raise SettingsError(2) from None
 # Postgres is the source of truth for outcomes; Celery results would only be a second copy.
 task_ignore_result = True
 result_backend = None

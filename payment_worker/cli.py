@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from payment_worker.embedded import EmbeddedError
 from payment_worker.settings import SettingsError, get_settings
 
 
@@ -137,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _gateway_sim(args_list[1:])
         args = build_parser().parse_args(args_list)
         s = get_settings()  # a bad setting fails here, with one line and exit code 2
+        if not (args.command == "services" and args.action in ("status", "stop")):
+            from payment_worker.services import require_servers
+
+            require_servers(s)  # no URL and no embedded extra: one line, exit code 2
         from payment_worker.observability.logging import configure_logging
 
         # logs go to stderr, so a command's own output (JSON lines, tables) stays clean
@@ -145,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except SettingsError as exc:
         return int(exc.code or 2)
+    except EmbeddedError as exc:
+        # a missing extra, an OS user that cannot be created...: the set-up, not a bug
+        print(f"payment-worker: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

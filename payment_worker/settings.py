@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     celery_broker_url: str | None = None
     payment_worker_home: Path = Path("./.payment-worker")
+    # the OS user the embedded PostgreSQL runs as when started by root (created if missing)
+    embedded_pg_os_user: str = Field("pgserver", min_length=1, max_length=32)
     redis_key_prefix: str = "pw"
 
     # --- gateway --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -352,3 +353,49 @@ def test_with_urls_set_nothing_embedded_is_started(pw_env: object, tmp_path: Pat
                 "redis": env_urls["REDIS_URL"],
             }
     assert not home.exists()
+
+
+@pytest.fixture
+def fresh_os_user() -> Iterator[str]:
+    """A user name that does not exist yet; removed again at teardown if it was created."""
+    if os.geteuid() != 0:
+        pytest.skip("the OS user is created only when the service runs as root")
+    name = f"pwt{os.urandom(4).hex()}"
+    with pytest.raises(KeyError):
+        pwd.getpwnam(name)
+    yield name
+    subprocess.run(["userdel", name], capture_output=True, check=False)
+    subprocess.run(["groupdel", name], capture_output=True, check=False)
+
+
+def test_as_root_a_missing_os_user_is_created(scratch: Path, fresh_os_user: str) -> None:
+    # the path a new machine takes: nothing prepared, the server's OS user missing
+    home = scratch / "home"
+    try:
+        proc = _cli(home, "services", "start", EMBEDDED_PG_OS_USER=fresh_os_user)
+        assert proc.returncode == 0, proc.stderr
+        entry = pwd.getpwnam(fresh_os_user)
+        postmaster = _postmaster_pid(home)
+        assert os.stat(f"/proc/{postmaster}").st_uid == entry.pw_uid
+        assert (home / "pgdata").stat().st_uid == entry.pw_uid
+        with psycopg.connect(_urls(proc.stdout)["postgres"]) as conn:
+            assert conn.execute("SELECT current_database()").fetchone() == ("payment_worker",)
+        # a second start finds the user and the server: no second useradd, same server
+        again = _cli(home, "services", "start", EMBEDDED_PG_OS_USER=fresh_os_user)
+        assert again.returncode == 0, again.stderr
+        assert _postmaster_pid(home) == postmaster
+    finally:
+        embedded.stop(home)
+
+
+def test_an_os_user_that_cannot_be_created_is_one_line_exit_2(scratch: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the OS user is created only when the service runs as root")
+    home = scratch / "home"
+    proc = _cli(home, "services", "start", EMBEDDED_PG_OS_USER="no such user!")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "EMBEDDED_PG_OS_USER" in lines[0] and "no such user!" in lines[0]
+    assert "Traceback" not in proc.stderr
+    embedded.stop(home)
