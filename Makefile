@@ -4,12 +4,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-unit test-integration chaos chaos-short lint typecheck check bench services-stop clean
+.PHONY: demo test test-unit test-integration test-install chaos chaos-short lint typecheck check bench services-stop clean lock check-arm64
 
-$(STAMP): pyproject.toml
+# Exactly the locked versions (hashes checked), with the embedded servers, dev and bench
+# extras; then the project itself, editable, with no further dependency resolution.
+$(STAMP): pyproject.toml requirements/dev.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev,bench]"
+	$(BIN)/python -m pip install --quiet --require-hashes -r requirements/dev.lock
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 ## The main job: a worker, beat and the gateway simulator on the embedded default; a sample batch file.
@@ -27,13 +29,17 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration
 
+## The built wheel in a scratch virtualenv (part of `make test` too).
+test-install: $(STAMP)
+	$(BIN)/python -m pytest -q tests/install
+
 ## The long chaos run (10 minutes, 20,000 items).
 chaos: $(STAMP)
 	PW_CHAOS_LONG=1 $(BIN)/python -m pytest -q -s tests/chaos -m chaos --timeout 1800
 
 lint: $(STAMP)
-	$(BIN)/ruff check payment_worker tests bench migrations
-	$(BIN)/ruff format --check payment_worker tests bench migrations
+	$(BIN)/ruff check payment_worker tests bench
+	$(BIN)/ruff format --check payment_worker tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy payment_worker
@@ -45,6 +51,24 @@ bench: $(STAMP)
 
 services-stop: $(STAMP)
 	$(BIN)/payment-worker services stop
+
+## Refresh the lock files after a change of pyproject.toml's dependencies (uv, universal:
+## one lock for every platform and Python >= 3.11); commit both files.
+lock: $(STAMP)
+	$(BIN)/python -m pip install --quiet uv
+	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 --generate-hashes \
+		pyproject.toml -o requirements/runtime.lock
+	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 --generate-hashes \
+		--extra embedded --extra dev --extra bench pyproject.toml -o requirements/dev.lock
+
+## The production image builds on arm64 too: every runtime dependency has an aarch64 wheel.
+check-arm64: $(STAMP)
+	rm -rf .arm64-wheels
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: \
+		--platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 \
+		--python-version 3.11 --implementation cp --abi cp311 --abi abi3 --abi none \
+		-r requirements/runtime.lock -d .arm64-wheels
+	rm -rf .arm64-wheels
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

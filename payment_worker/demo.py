@@ -23,7 +23,8 @@ from payment_worker.reconcile import reconcile
 from payment_worker.services import broker_url, database_url, redis_url, sqlalchemy_url
 from payment_worker.settings import get_settings
 
-SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sample-batch.json"
+# shipped inside the package, so an installed wheel finds it from any working directory
+SAMPLE = Path(__file__).resolve().parent / "sample-batch.json"
 
 
 def _say(msg: str) -> None:

@@ -174,7 +174,7 @@ def redis_client(pw_env: PwEnv) -> redis.Redis:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = str(item.fspath)
-        if f"{os.sep}integration{os.sep}" in path:
+        if f"{os.sep}integration{os.sep}" in path or f"{os.sep}install{os.sep}" in path:
             item.add_marker(pytest.mark.integration)
         if f"{os.sep}chaos{os.sep}" in path:
             item.add_marker(pytest.mark.chaos)

@@ -1,20 +1,24 @@
-"""Running the alembic migrations from code (``payment-worker db upgrade``)."""
+"""Running the alembic migrations from code (``payment-worker db upgrade``).
+
+The alembic environment ships inside the package (``payment_worker/migrations``), so an
+installed wheel migrates from any working directory; the repository's ``alembic.ini`` points
+at the same folder for developers who run ``alembic`` by hand.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from importlib import resources
 
 from alembic import command
 from alembic.config import Config
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def alembic_config(url: str | None = None) -> Config:
-    """The project's alembic config; ``url`` (SQLAlchemy form) overrides the settings."""
-    ini = ROOT / "alembic.ini"
-    cfg = Config(str(ini)) if ini.exists() else Config()
-    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    """The alembic config of the packaged migrations; ``url`` (SQLAlchemy form) overrides the
+    settings."""
+    cfg = Config()
+    # the folder inside the installed package, wherever the command runs from
+    cfg.set_main_option("script_location", str(resources.files("payment_worker") / "migrations"))
     if url is not None:
         cfg.attributes["url"] = url
     return cfg

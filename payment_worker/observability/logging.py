@@ -40,6 +40,8 @@ def configure_logging(level: str = "INFO", json_lines: bool = False) -> None:
     )
     # one line per HTTP request is noise at INFO; our own gateway logs say what matters
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # alembic announces each of its built-in plugins at INFO on every command
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
