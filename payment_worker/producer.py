@@ -95,6 +95,8 @@ def _submit(raw: object, s: Settings, *, enqueue: bool) -> tuple[SubmitResult, b
     if isinstance(raw, str | bytes):
         try:
             data = schemas.loads(raw)
+        except schemas.RefusedJSON as exc:
+            return _rejected(None, 0, [{"path": "$", "message": str(exc)}]), False
         except ValueError as exc:
             return _rejected(None, 0, [{"path": "$", "message": f"not valid JSON: {exc}"}]), False
     else:
@@ -230,10 +232,12 @@ class _DedupWindow:
 
 
 class InputError(Exception):
-    """The submitted input as a whole is unreadable (not JSON, no such file)."""
+    """The submitted input as a whole is unreadable (not JSON, too deep, no such file)."""
 
 
 def _read(source: str) -> str:
+    if source == "-" and sys.stdin is None:  # started with stdin closed (``<&-``)
+        raise InputError("cannot read -: standard input is closed")
     try:
         raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
         return raw.decode("utf-8-sig")
@@ -265,12 +269,18 @@ def iter_documents(text: str) -> Iterator[Any | InputError]:
     # only a first line that is a whole JSON object on its own makes this JSON lines;
     # otherwise it is one broken JSON document, and the message should say where
     if not isinstance(first, dict):
-        raise InputError(f"input is not valid JSON: {whole_error}")
+        raise InputError(_unparsed("input", whole_error))
     for n, line in lines:
         try:
             yield schemas.loads(line)
         except ValueError as exc:
-            yield InputError(f"line {n} is not valid JSON: {exc}")
+            yield InputError(_unparsed(f"line {n}", exc))
+
+
+def _unparsed(what: str, exc: ValueError | None) -> str:
+    # too deep, or a lone surrogate, is well-formed JSON that is refused: not "invalid"
+    verdict = "is refused" if isinstance(exc, schemas.RefusedJSON) else "is not valid JSON"
+    return f"{what} {verdict}: {exc}"
 
 
 def _try_line(line: str) -> Any:

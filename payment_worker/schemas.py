@@ -39,6 +39,10 @@ BANK_CODE_MAX_LENGTH = 32
 ACCOUNT_NUMBER_MAX_LENGTH = 64
 NAME_MAX_LENGTH = 140
 DESCRIPTION_MAX_LENGTH = 255
+# deepest nesting of arrays and objects :func:`loads` accepts; a batch file needs 5 (array of
+# batches, batch, items, item, beneficiary). Well below Python's recursion limit, so that
+# parsing and anything recursive after it (validation, json.dumps) never run out of stack.
+MAX_JSON_DEPTH = 32
 
 _CURRENCY = re.compile(r"[A-Z]{3}")
 _IDENT_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -310,10 +314,105 @@ def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+class RefusedJSON(ValueError):
+    """Well-formed JSON that :func:`loads` refuses all the same: nested deeper than
+    :data:`MAX_JSON_DEPTH`, or holding a string that is not Unicode text."""
+
+
+# everything up to the next bracket outside a string, and that bracket. A string is taken
+# whole (to the end of the text when unterminated, as far as the parser would read), so the
+# brackets inside it do not count; possessive, so that nothing backtracks
+_UP_TO_BRACKET = re.compile(r'(?:[^][{}"]++|"[^"\\]*+(?:\\.[^"\\]*+)*+"?)*+([][{}])', re.DOTALL)
+# a surrogate escape, paired or not: where there is none, no string can hold a lone one
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _where(text: str, pos: int) -> str:
+    """A position in the words of :class:`json.JSONDecodeError`."""
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)
+    return f"line {line} column {column} (char {pos})"
+
+
+def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """Raise :class:`RefusedJSON` when the arrays and objects of the JSON value ``text`` starts
+    with nest deeper than ``limit``.
+
+    Made before parsing, because the parser recurses once per level (100,000 ``[`` exhaust
+    Python's stack); a scan of strings and brackets that neither parses nor recurses. It
+    reads as far as the parser would: to the end of the first value, or to a stray closing
+    bracket; broken JSON may be refused here before the parser would call it invalid.
+    """
+    depth = 0
+    match = _UP_TO_BRACKET.match(text)
+    while match is not None:
+        if match.group(1) in "[{":
+            depth += 1
+            if depth > limit:
+                where = _where(text, match.end() - 1)
+                raise RefusedJSON(f"JSON nested more than {limit} levels deep: {where}")
+        else:
+            depth -= 1
+            if depth <= 0:  # the first value is closed, or broken: the parser stops here
+                return
+        match = _UP_TO_BRACKET.match(text, match.end())
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where a decoded JSON value holds a lone surrogate (from an escape such as
+    ``"\\ud800"``), or None. Iterative: the value may be as deep as the depth limit allows."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return f"lone surrogate {found.group()!r} in the string at $" if found else None
+    containers: list[tuple[Any, tuple[int | str, ...]]] = [(value, ())]
+    while containers:
+        node, loc = containers.pop()
+        children: Iterable[tuple[int | str, Any]]
+        if isinstance(node, dict):
+            # keys first, so that a path reported below this object is printable
+            for key in node:
+                found = _SURROGATE.search(key)
+                if found:
+                    return f"lone surrogate {found.group()!r} in a key of {json_path(loc)}"
+            children = node.items()
+        elif isinstance(node, list):
+            children = enumerate(node)
+        else:
+            continue
+        for part, child in children:
+            # strings checked here, not queued: they are most of a batch
+            if isinstance(child, str):
+                found = _SURROGATE.search(child)
+                if found:
+                    where = json_path((*loc, part))
+                    return f"lone surrogate {found.group()!r} in the string at {where}"
+            elif isinstance(child, dict | list):
+                containers.append((child, (*loc, part)))
+    return None
+
+
 def loads(text: str | bytes) -> Any:
-    """Decode JSON strictly: duplicate keys, NaN and Infinity are errors (``ValueError``)."""
+    """Decode JSON strictly: duplicate keys, NaN and Infinity are errors (``ValueError``).
+
+    Nesting deeper than :data:`MAX_JSON_DEPTH` and lone surrogates are refused with
+    :class:`RefusedJSON` (a ``ValueError`` too): nothing downstream has to cope with either.
+    """
 
     def _no_constant(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
-    return json.loads(text, object_pairs_hook=reject_duplicate_keys, parse_constant=_no_constant)
+    if isinstance(text, bytes):
+        # decoded here, strictly (json.loads would let encoded surrogates through), so that
+        # the depth scan reads exactly the text that is parsed
+        text = text.decode(json.detect_encoding(text))
+    check_depth(text)
+    value = json.loads(text, object_pairs_hook=reject_duplicate_keys, parse_constant=_no_constant)
+    # a string with a lone surrogate cannot be written as UTF-8: not to stdout, not to
+    # PostgreSQL, not to the gateway. Text read from a file holds no surrogate, so only an
+    # escape can make one; the walk is skipped unless there is one of either
+    if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
+        problem = _lone_surrogate(value)
+        if problem:
+            raise RefusedJSON(f"{problem}, which is not Unicode text")
+    return value

@@ -153,6 +153,72 @@ def test_input_that_is_not_json_exits_2_with_a_clear_message(
     assert counts(db_conn) == (0, 0, 0)
 
 
+def deep_in(field: str, deep_json: str) -> str:
+    """A valid batch, pretty-printed, whose first item's ``field`` (``beneficiary.name`` for a
+    beneficiary field) holds the JSON text ``deep_json``."""
+    batch = make_batch("b-1")
+    target = batch["items"][0]
+    if field.startswith("beneficiary."):
+        target, field = target["beneficiary"], field.split(".")[1]
+    target[field] = "@deep@"
+    return json.dumps(batch, indent=2).replace('"@deep@"', deep_json)
+
+
+def test_deep_nesting_exits_2_with_one_line_and_saves_nothing(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    deep = 100_000  # far beyond Python's recursion limit
+    arrays = "[" * deep + "]" * deep
+    objects = '{"a":' * deep + "1" + "}" * deep
+    cases = {
+        "arrays": submit(["-"], stdin="[" * deep),
+        "objects": submit(["-"], stdin='{"a":' * deep),
+        "beneficiary": submit(["-"], stdin=deep_in("beneficiary", objects)),
+        "beneficiary name": submit(["-"], stdin=deep_in("beneficiary.name", arrays)),
+        # a valid batch first: the whole input is refused, not the batches before the bad one
+        "description": submit(
+            ["-"], stdin=f"[{json.dumps(make_batch('b-0'))}, {deep_in('description', arrays)}]"
+        ),
+    }
+    for name, proc in cases.items():
+        assert proc.returncode == 2, (name, proc.stderr[-2000:])
+        assert proc.stdout == "", name
+        assert "Traceback" not in proc.stderr, name
+        [line] = proc.stderr.splitlines()
+        assert line.startswith(
+            "payment-worker submit: input is refused: JSON nested more than 32 levels deep: "
+        ), (name, line)
+    assert counts(db_conn) == (0, 0, 0)
+    assert broker_messages(pw_env) == []
+
+
+def test_nesting_within_the_limit_is_rejected_with_its_path(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    name = "[" * 20 + "]" * 20  # deep enough to be wrong, not to be refused unparsed
+    text = "\n".join(
+        [
+            deep_in("beneficiary.name", name).replace("\n", ""),
+            '{"a":' * 100_000,  # a JSON line of its own: refused alone, like a broken line
+        ]
+    )
+    proc = submit(["-"], stdin=text)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    first, second = lines(proc.stdout)
+    assert first == {
+        "batch_id": "b-1",
+        "status": "rejected",
+        "items": 3,
+        "errors": [{"path": "$.items[0].beneficiary.name", "message": "must be a string"}],
+    }
+    assert second["status"] == "rejected"
+    assert second["errors"][0]["message"].startswith(
+        "line 2 is refused: JSON nested more than 32 levels deep: line 1 column 161 "
+    )
+    assert counts(db_conn) == (0, 0, 0)
+
+
 def test_broker_down_submission_succeeds_and_batch_waits_pending(
     pw_env: PwEnv, db_conn: psycopg.Connection[Any]
 ) -> None:
@@ -177,7 +243,7 @@ def test_broker_down_submission_succeeds_and_batch_waits_pending(
 
 
 def test_the_example_file_is_accepted(pw_env: PwEnv, db_conn: psycopg.Connection[Any]) -> None:
-    proc = submit([str(ROOT / "examples" / "sample-batch.json")])
+    proc = submit([str(ROOT / "payment_worker" / "sample-batch.json")])
     assert proc.returncode == 0, proc.stderr
     out = lines(proc.stdout)
     assert [(r["status"], r["items"]) for r in out] == [("accepted", 10)] * 3

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
 
 from payment_worker.payments import PaymentRequest
-from payment_worker.schemas import InvalidBatch, json_path, loads, parse_batch
+from payment_worker.schemas import (
+    MAX_JSON_DEPTH,
+    InvalidBatch,
+    RefusedJSON,
+    json_path,
+    loads,
+    parse_batch,
+)
 
 LIMITS = {"max_items": 5, "max_amount": 1_000_000}
 
@@ -218,3 +226,130 @@ def test_loads_is_strict(text: str) -> None:
 
 def test_loads_accepts_plain_json() -> None:
     assert loads(b'{"items": [1, 2]}') == {"items": [1, 2]}
+
+
+# 100,000 levels: far past Python's recursion limit, the input that used to crash the CLI
+DEEP = 100_000
+
+
+def deep_value(depth: int = DEEP) -> Any:
+    """A Python value ``depth`` lists deep, built without recursion."""
+    value: Any = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * DEEP,
+        "[" * DEEP + "]" * DEEP,
+        '{"a":' * DEEP,
+        '{"a":' * DEEP + "1" + "}" * DEEP,
+        '[{"a":' * DEEP,
+        b"[" * DEEP,
+    ],
+    ids=["arrays", "closed arrays", "objects", "closed objects", "mixed", "bytes"],
+)
+def test_loads_refuses_deep_nesting_without_recursing(text: str | bytes) -> None:
+    with pytest.raises(RefusedJSON) as info:
+        loads(text)
+    assert str(info.value).startswith(f"JSON nested more than {MAX_JSON_DEPTH} levels deep: ")
+    assert isinstance(info.value, ValueError)  # callers that catch ValueError still cope
+
+
+def test_depth_limit_is_inclusive_and_names_where() -> None:
+    for text in (
+        "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH,
+        '{"a":' * MAX_JSON_DEPTH + "1" + "}" * MAX_JSON_DEPTH,
+    ):
+        assert loads(text) == json.loads(text)
+    # the 33rd bracket: after a newline and a space
+    with pytest.raises(RefusedJSON, match=r": line 2 column 34 \(char 34\)$"):
+        loads("\n " + "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1))
+
+
+def test_brackets_inside_strings_do_not_count() -> None:
+    many = "[{" * DEEP
+    assert loads(f'["{many}"]') == [many]
+    assert loads(f'["\\"{many}", "\\\\"]') == [f'"{many}', "\\"]
+    # an escaped backslash does not escape the quote after it: these brackets are outside
+    with pytest.raises(RefusedJSON):
+        loads('["\\\\", ' + "[" * DEEP)
+
+
+def test_the_depth_scan_reads_no_further_than_the_parser() -> None:
+    # the parser stops after the first value ("Extra data"), as JSON lines are read line by
+    # line: a deep second value is for the line-by-line read to refuse
+    with pytest.raises(ValueError) as info:
+        loads("{}\n" + "[" * DEEP)
+    assert not isinstance(info.value, RefusedJSON)
+    assert "Extra data" in str(info.value)
+
+
+def test_deep_nesting_inside_a_batch_is_refused_where_it_is() -> None:
+    text = json.dumps(batch(item(description="@"))).replace('"@"', "[" * DEEP + "]" * DEEP)
+    column = text.index("[[") + MAX_JSON_DEPTH - 3 + 1  # batch, items, item: 3 levels above
+    with pytest.raises(RefusedJSON, match=rf"line 1 column {column} "):
+        loads(text)
+
+
+def test_nesting_within_the_limit_is_a_validation_error_with_its_path() -> None:
+    name = deep_value(20)
+    data = loads(
+        json.dumps(batch(item(beneficiary={"bank_code": "1", "account_number": "2", "name": name})))
+    )
+    assert errors_of(data) == [
+        {"path": "$.items[0].beneficiary.name", "message": "must be a string"}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("description", ["$.items[0].description"]),
+        ("beneficiary", ["$.items[0].beneficiary"]),
+        ("beneficiary.name", ["$.items[0].beneficiary.name"]),
+        ("beneficiary.extra", ["$.items[0].beneficiary.extra"]),
+        ("extra", ["$.items[0].extra"]),
+        ("items", ["$.items[0]"]),
+    ],
+)
+def test_deep_python_values_are_validation_errors_not_recursion(
+    where: str, expected: list[str]
+) -> None:
+    # submit_batch takes decoded values too, which no JSON depth limit has seen: validation
+    # must reject them without walking into them
+    data = batch(item())
+    if where == "items":
+        data["items"] = deep_value()
+    elif where.startswith("beneficiary."):
+        data["items"][0]["beneficiary"][where.split(".")[1]] = deep_value()
+    else:
+        data["items"][0][where] = deep_value()
+    assert paths(data) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ('{"batch_id": "\\ud800"}', "lone surrogate '\\ud800' in the string at $.batch_id"),
+        ('{"a": [{"\\udfff": 1}]}', "lone surrogate '\\udfff' in a key of $.a[0]"),
+        ('["ok", "x\\ud83d"]', "lone surrogate '\\ud83d' in the string at $[1]"),
+        ('"\\ude00\\ud83d"', "lone surrogate '\\ude00' in the string at $"),
+        ('{"raw": "\ud800"}', "lone surrogate '\\ud800' in the string at $.raw"),
+    ],
+)
+def test_loads_refuses_lone_surrogates(text: str, problem: str) -> None:
+    # such a string cannot be encoded as UTF-8: not printed, not stored, not sent
+    with pytest.raises(RefusedJSON) as info:
+        loads(text)
+    assert str(info.value) == f"{problem}, which is not Unicode text"
+
+
+def test_loads_keeps_surrogate_pairs_and_refuses_encoded_surrogates() -> None:
+    assert loads('["\\ud83d\\ude00", "\\u00e9"]') == ["\U0001f600", "é"]
+    assert loads('"é"'.encode("utf-16")) == "é"
+    with pytest.raises(ValueError):
+        loads(b'"\xed\xa0\x80"')  # a surrogate encoded as UTF-8 is not UTF-8
