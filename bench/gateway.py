@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from payment_worker.domain.payment_request import PaymentRequest  # noqa: E402
 from payment_worker.gateway import GatewayClient, GatewayResult  # noqa: E402
 from payment_worker.gateway.outcomes import not_sent  # noqa: E402
-from payment_worker.payments import PaymentRequest  # noqa: E402
 from payment_worker.settings import Settings  # noqa: E402
 from tests.sim_fixtures import run_simulator  # noqa: E402
 
@@ -81,7 +81,7 @@ class NaiveTokens:
 def _token_worker(
     mode: str, threads: int, duration: float, q: Any, ready: Any, go: Any, out: Any
 ) -> None:
-    from payment_worker.observability.logging import configure_logging
+    from payment_worker.ops.logging import configure_logging
 
     configure_logging("WARNING")
     client = GatewayClient(Settings())
@@ -319,7 +319,7 @@ def main() -> int:
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--throughput-seconds", type=float, default=10.0)
     args = p.parse_args()
-    from payment_worker.observability.logging import configure_logging
+    from payment_worker.ops.logging import configure_logging
     from payment_worker.services import redis_url
 
     configure_logging("WARNING")

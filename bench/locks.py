@@ -1,6 +1,6 @@
 """Account lock benchmark: round trips, latency and contended throughput, side by side.
 
-Compares ``payment_worker.locks.AccountLock`` (with its Postgres fencing token) with
+Compares ``payment_worker.locks.account_lock.AccountLock`` (with its Postgres fencing token) with
 redis-py's ``Lock`` and python-redis-lock (auto renewal on). Uses DATABASE_URL / REDIS_URL
 (or the embedded servers); the database must be migrated (``payment-worker db upgrade``).
 Every key it writes carries a ``bench-<pid>`` prefix and is deleted at the end.
@@ -28,8 +28,8 @@ from sqlalchemy import event, text
 from sqlalchemy.pool import Pool
 
 from payment_worker.db.engine import make_engine
-from payment_worker.locks import AccountLock
-from payment_worker.observability.logging import configure_logging
+from payment_worker.locks.account_lock import AccountLock
+from payment_worker.ops.logging import configure_logging
 from payment_worker.services import redis_url, sqlalchemy_url
 
 PREFIX = f"bench-{os.getpid()}"

@@ -55,8 +55,8 @@ def make_batch(run: str, n: int, items: int) -> dict[str, Any]:
 def _worker(run: str, indexes: list[int], items: int, phase: str, start: Any, out: Any) -> None:
     from payment_worker import submit_batch
     from payment_worker.db.engine import get_engine
-    from payment_worker.observability.logging import configure_logging
-    from payment_worker.tasks import process_account_batch
+    from payment_worker.ops.logging import configure_logging
+    from payment_worker.worker.tasks import process_account_batch
 
     configure_logging("WARNING")  # a log line per batch would be measured too
     batches = [make_batch(run, n, items) for n in indexes]

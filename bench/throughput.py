@@ -121,11 +121,11 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     import psycopg
     import redis
 
-    from payment_worker.cluster import LocalCluster, free_port
     from payment_worker.db.engine import dispose_engines
-    from payment_worker.producer import submit_batch
-    from payment_worker.samples import make_batches
-    from payment_worker.tasks import enqueue_batch
+    from payment_worker.dev.local_cluster import LocalCluster, free_port
+    from payment_worker.dev.samples import make_batches
+    from payment_worker.producer.submit import submit_batch
+    from payment_worker.worker.tasks import enqueue_batch
 
     sc = dict(SCENARIOS[num])
     if args.quick:
@@ -227,7 +227,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="small shapes (CI smoke)")
     args = p.parse_args()
-    from payment_worker.observability.logging import configure_logging
+    from payment_worker.ops.logging import configure_logging
 
     configure_logging("WARNING")
     print(f"# throughput  machine: {machine()}  commit: {git_rev()}")

@@ -11,11 +11,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # lazy, so that ``import payment_worker`` starts nothing and stays cheap
     if name in ("app", "celery"):
-        from payment_worker.celery_app import app
+        from payment_worker.worker.celery_app import app
 
         return app
     if name == "submit_batch":
-        from payment_worker.producer import submit_batch
+        from payment_worker.producer.submit import submit_batch
 
         return submit_batch
     raise AttributeError(name)

@@ -45,13 +45,13 @@ def _services(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from payment_worker.producer import cli_submit
+    from payment_worker.producer.submit import cli_submit
 
     return cli_submit(args.file)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from payment_worker.status import cli_status
+    from payment_worker.producer.status import cli_status
 
     if not args.batch_ids and not args.all:
         print("payment-worker status: name one or more BATCH_IDs, or --all", file=sys.stderr)
@@ -60,27 +60,27 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _gateway_sim(argv: list[str]) -> int:
-    from payment_worker.gateway.simulator import main as sim_main
+    from payment_worker.dev.simulator import main as sim_main
 
     return sim_main(argv)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from payment_worker.demo import run_demo
+    from payment_worker.dev.demo import run_demo
 
     return run_demo(args.file, workers=args.workers, timeout=args.timeout)
 
 
 def _sweep(_: argparse.Namespace) -> int:
-    from payment_worker.sweeper import run_sweep
+    from payment_worker.worker.sweeper import run_sweep
 
     print(json.dumps(run_sweep()))
     return 0
 
 
 def _exporter(args: argparse.Namespace) -> int:
-    from payment_worker.observability.exporter import serve
-    from payment_worker.observability.logging import configure_logging
+    from payment_worker.ops.exporter import serve
+    from payment_worker.ops.logging import configure_logging
 
     s = get_settings()
     configure_logging(s.log_level, s.log_json)
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from payment_worker.services import require_servers
 
             require_servers(s)  # no URL and no embedded extra: one line, exit code 2
-        from payment_worker.observability.logging import configure_logging
+        from payment_worker.ops.logging import configure_logging
 
         # logs go to stderr, so a command's own output (JSON lines, tables) stays clean
         configure_logging(s.log_level, s.log_json)

@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from payment_worker.errors import PaymentWorkerError
-from payment_worker.observability.logging import get_logger
+from payment_worker.ops.logging import get_logger
 
 DATABASE_NAME = "payment_worker"
 # PostgreSQL refuses to run as root; as root it runs as this OS user (EMBEDDED_PG_OS_USER),

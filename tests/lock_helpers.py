@@ -80,7 +80,7 @@ def _die_with_parent() -> None:
 
 
 def _child(args: argparse.Namespace, index: int, ready_key: str, go_key: str) -> None:
-    from payment_worker.locks import AccountLock
+    from payment_worker.locks.account_lock import AccountLock
 
     _die_with_parent()
     r, engine = _clients(args.ttl_ms)
@@ -126,7 +126,7 @@ def _child(args: argparse.Namespace, index: int, ready_key: str, go_key: str) ->
 
 def contend(args: argparse.Namespace) -> int:
     """Fork ``args.n`` children that contend for one lock; wait for all of them."""
-    from payment_worker.observability.logging import configure_logging
+    from payment_worker.ops.logging import configure_logging
 
     configure_logging("WARNING")
     # import everything before forking so the children start at once
@@ -134,7 +134,7 @@ def contend(args: argparse.Namespace) -> int:
     import sqlalchemy.dialects.postgresql.psycopg  # noqa: F401
 
     import payment_worker.db.engine
-    import payment_worker.locks  # noqa: F401
+    import payment_worker.locks.account_lock  # noqa: F401
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     # per launcher, so that no other run's children can take this run's start signals
@@ -166,8 +166,8 @@ def contend(args: argparse.Namespace) -> int:
 def hold(args: argparse.Namespace) -> int:
     """Take the lock, then follow commands from stdin."""
     from payment_worker.errors import LockLost
-    from payment_worker.locks import AccountLock
-    from payment_worker.observability.logging import configure_logging
+    from payment_worker.locks.account_lock import AccountLock
+    from payment_worker.ops.logging import configure_logging
 
     configure_logging("WARNING")
     r, engine = _clients(args.ttl_ms)

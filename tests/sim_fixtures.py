@@ -121,7 +121,7 @@ def gateway_sim(
     _gateway_sim_process: SimHandle, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[SimHandle]:
     """A simulator with default config and empty state; GATEWAY_URL points at it."""
-    from payment_worker.gateway.simulator_state import SimConfig
+    from payment_worker.dev.simulator_state import SimConfig
     from payment_worker.settings import get_settings
 
     sim = _gateway_sim_process
@@ -141,8 +141,8 @@ def burst_worker(spec: dict[str, Any], ready: Any, go: Any, out: Any) -> None:
     spec: threads, account_id, tx_prefix, kind ("create" | "lookup"). Puts one JSON list of
     per-call results ``{"outcome", "status", "t0", "t1"}`` (wall clock) on ``out``.
     """
+    from payment_worker.domain.payment_request import PaymentRequest
     from payment_worker.gateway.client import GatewayClient
-    from payment_worker.payments import PaymentRequest
 
     client = GatewayClient()
     results: list[dict[str, Any]] = []

@@ -23,8 +23,8 @@ from typing import Any
 from sqlalchemy import Connection, CursorResult, Executable, TextClause, bindparam, text
 
 from payment_worker.errors import FencedOut
-from payment_worker.observability.logging import get_logger
-from payment_worker.observability.metrics import FENCING_REJECTIONS
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.metrics import FENCING_REJECTIONS
 
 log = get_logger("fences")
 

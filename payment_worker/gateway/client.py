@@ -22,6 +22,7 @@ from urllib.parse import quote
 import httpx
 import redis
 
+from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.gateway.outcomes import (
     GatewayResult,
     Outcome,
@@ -32,14 +33,13 @@ from payment_worker.gateway.outcomes import (
 )
 from payment_worker.gateway.pacing import Pacer
 from payment_worker.gateway.tokens import TokenManager
-from payment_worker.observability.logging import get_logger
-from payment_worker.observability.metrics import (
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.metrics import (
     GATEWAY_RATE_LIMITED,
     GATEWAY_REQUEST_SECONDS,
     GATEWAY_REQUESTS,
     GATEWAY_UNAUTHORIZED,
 )
-from payment_worker.payments import PaymentRequest
 from payment_worker.settings import Settings, get_settings
 
 log = get_logger("gateway.client")

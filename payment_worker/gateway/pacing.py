@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import redis
 
-from payment_worker.observability.metrics import GATEWAY_PACING_WAIT_SECONDS
+from payment_worker.ops.metrics import GATEWAY_PACING_WAIT_SECONDS
 
 # KEYS[1] bucket; ARGV: rate (per s), burst (tokens).
 # Returns 0 when a slot was taken, else the milliseconds to wait before asking again.

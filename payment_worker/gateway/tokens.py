@@ -36,8 +36,8 @@ from payment_worker.gateway.outcomes import (
     not_sent,
     parse_retry_after,
 )
-from payment_worker.observability.logging import get_logger
-from payment_worker.observability.metrics import GATEWAY_TOKEN_REFRESHES
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.metrics import GATEWAY_TOKEN_REFRESHES
 
 log = get_logger("gateway.tokens")
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import redis
 
-from payment_worker.cluster import LocalCluster
 from payment_worker.db.engine import get_engine
-from payment_worker.db.transactions import open_counts
-from payment_worker.producer import submit_batch
-from payment_worker.reconcile import reconcile
-from payment_worker.samples import make_batches
+from payment_worker.db.work import open_counts
+from payment_worker.dev.local_cluster import LocalCluster
+from payment_worker.dev.reconcile import reconcile
+from payment_worker.dev.samples import make_batches
+from payment_worker.producer.submit import submit_batch
 from tests.conftest import PwEnv
 
 LONG = os.environ.get("PW_CHAOS_LONG") == "1"

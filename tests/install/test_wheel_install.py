@@ -175,7 +175,7 @@ def test_installed_wheel_migrates_and_processes_a_batch(
     with psycopg.connect(empty_db) as conn:
         assert conn.execute("SELECT count(*) FROM transactions").fetchone() == (0,)
 
-    sample = install.site_file("payment_worker", "sample-batch.json")
+    sample = install.site_file("payment_worker", "dev", "sample-batch.json")
     batches = json.loads(sample.read_text())
     batch_ids = [b["batch_id"] for b in batches]
     total = sum(len(b["items"]) for b in batches)

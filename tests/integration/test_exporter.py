@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine
 
 from payment_worker.db.models import TX_STATUSES
-from payment_worker.observability.exporter import PostgresStateCollector
+from payment_worker.ops.exporter import PostgresStateCollector
 
 
 def _free_port() -> int:

@@ -13,8 +13,8 @@ import pytest
 import redis
 from pydantic import SecretStr
 
+from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.gateway import GatewayClient, Outcome
-from payment_worker.payments import PaymentRequest
 from payment_worker.settings import Settings
 from tests.conftest import PwEnv
 from tests.sim_fixtures import SimHandle

@@ -12,9 +12,9 @@ import httpx
 import pytest
 import redis
 
+from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.gateway import GatewayClient, Outcome
 from payment_worker.gateway.tokens import TokenManager
-from payment_worker.payments import PaymentRequest
 from payment_worker.settings import Settings
 from tests.conftest import PwEnv
 from tests.sim_fixtures import SimHandle, run_bursts

@@ -16,7 +16,7 @@ from sqlalchemy import Engine
 
 from payment_worker.db.engine import make_engine
 from payment_worker.errors import LockLost, LockNotAcquired
-from payment_worker.locks import AccountLock, lock_is_held, lock_key
+from payment_worker.locks.account_lock import AccountLock, lock_is_held, lock_key
 from tests.conftest import PwEnv
 from tests.lock_helpers import TcpProxy
 

@@ -19,7 +19,7 @@ import redis
 from sqlalchemy import Engine, text
 
 from payment_worker.db.engine import make_engine
-from payment_worker.locks import AccountLock, lock_is_held
+from payment_worker.locks.account_lock import AccountLock, lock_is_held
 from tests.conftest import ROOT, PwEnv
 from tests.lock_helpers import COUNTER_KEY, GATEWAY_CALLS_KEY, fenced_write
 

@@ -8,12 +8,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from payment_worker import processing
 from payment_worker.db.engine import get_engine
-from payment_worker.locks import AccountLock
-from payment_worker.producer import submit_batch
-from payment_worker.reconcile import reconcile
-from payment_worker.samples import make_batches
+from payment_worker.dev.reconcile import reconcile
+from payment_worker.dev.samples import make_batches
+from payment_worker.locks.account_lock import AccountLock
+from payment_worker.producer.submit import submit_batch
+from payment_worker.worker import drain as processing
 from tests.conftest import PwEnv
 from tests.sim_fixtures import SimHandle
 
@@ -133,7 +133,7 @@ def test_crash_between_intent_and_outcome_is_looked_up(
     gateway_sim: SimHandle,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
-    from payment_worker.db import transactions as repo
+    from payment_worker.db import work as repo
 
     batches = make_batches(batches=1, items=3, accounts=1, prefix="x")
     _submit(batches)
@@ -144,7 +144,7 @@ def test_crash_between_intent_and_outcome_is_looked_up(
         conn = c.execution_options(isolation_level="AUTOCOMMIT")
         items = repo.claim_due(conn, "acct-0000", lock.fence_token or 0, 10)
     # ... and it did pay the first one before dying
-    from payment_worker.payments import PaymentRequest
+    from payment_worker.domain.payment_request import PaymentRequest
 
     it = items[0]
     req = PaymentRequest(
@@ -165,7 +165,7 @@ def test_old_holder_is_fenced_out(
     res: processing.Resources,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
-    from payment_worker.db import transactions as repo
+    from payment_worker.db import work as repo
     from payment_worker.db.fences import next_fence_token
     from payment_worker.errors import FencedOut
 

@@ -15,8 +15,8 @@ from prometheus_client import REGISTRY
 from payment_worker import submit_batch
 from payment_worker.db import batches as db
 from payment_worker.db.engine import get_engine
-from payment_worker.payments import PaymentRequest
-from payment_worker.producer import SubmitResult
+from payment_worker.domain.payment_request import PaymentRequest
+from payment_worker.producer.submit import SubmitResult
 from tests.conftest import PwEnv
 
 

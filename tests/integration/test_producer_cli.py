@@ -243,7 +243,7 @@ def test_broker_down_submission_succeeds_and_batch_waits_pending(
 
 
 def test_the_example_file_is_accepted(pw_env: PwEnv, db_conn: psycopg.Connection[Any]) -> None:
-    proc = submit([str(ROOT / "payment_worker" / "sample-batch.json")])
+    proc = submit([str(ROOT / "payment_worker" / "dev" / "sample-batch.json")])
     assert proc.returncode == 0, proc.stderr
     out = lines(proc.stdout)
     assert [(r["status"], r["items"]) for r in out] == [("accepted", 10)] * 3

@@ -22,9 +22,9 @@ import json, sys
 from prometheus_client import REGISTRY
 from payment_worker import submit_batch
 from payment_worker.db.engine import get_engine
-from payment_worker.producer import _DedupWindow
+from payment_worker.producer.submit import _DedupWindow
 from payment_worker.settings import get_settings
-from payment_worker.tasks import process_account_batch
+from payment_worker.worker.tasks import process_account_batch
 
 batch = json.loads(sys.argv[1])
 with get_engine().connect():

@@ -15,10 +15,10 @@ from typing import Any
 import psycopg
 from sqlalchemy import Connection, text
 
-from payment_worker import status as status_mod
 from payment_worker import submit_batch
 from payment_worker.db.batches import StatusRow, stream_status
 from payment_worker.db.engine import get_engine
+from payment_worker.producer import status as status_mod
 from tests.conftest import ROOT, PwEnv
 from tests.integration.test_producer import make_batch
 

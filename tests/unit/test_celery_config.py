@@ -17,10 +17,10 @@ def conf(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     get_settings.cache_clear()
     import importlib
 
-    import payment_worker.celery_config as cc
+    import payment_worker.worker.celery_config as cc
 
     importlib.reload(cc)
-    from payment_worker.celery_app import app
+    from payment_worker.worker.celery_app import app
 
     app.conf.clear()  # pragma: no cover - re-read the reloaded module
     app.config_from_object(cc, force=True)

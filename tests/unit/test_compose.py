@@ -59,7 +59,7 @@ def test_payment_worker_commands_parse(name: str) -> None:
     assert subcommands is not None and sub in subcommands
     if sub == "gateway-sim":
         # special-cased in cli.main: its flags belong to the simulator's own parser
-        from payment_worker.gateway.simulator import build_parser as sim_parser
+        from payment_worker.dev.simulator import build_parser as sim_parser
 
         sim_parser().parse_args(command[2:])
     else:
@@ -81,7 +81,7 @@ def test_celery_commands_name_the_real_app(name: str) -> None:
     assert command[1:3] == ["-A", "payment_worker"]
     assert command[3] == name  # "worker" / "beat"
     import payment_worker
-    from payment_worker.celery_app import app
+    from payment_worker.worker.celery_app import app
 
     assert payment_worker.app is app and app.main == "payment_worker"
     # Celery's own command line loads the app and validates every option
@@ -107,7 +107,7 @@ def test_worker_consumes_the_configured_queues(monkeypatch: pytest.MonkeyPatch) 
     try:
         import importlib
 
-        import payment_worker.celery_config as cc
+        import payment_worker.worker.celery_config as cc
 
         cc = importlib.reload(cc)
         assert sorted(queues) == sorted(q.name for q in cc.task_queues) == ["dlq", "payments"]
@@ -177,7 +177,7 @@ def _known_metric_names() -> set[str]:
     from prometheus_client import Counter, Histogram
     from prometheus_client.metrics import MetricWrapperBase
 
-    from payment_worker.observability import metrics
+    from payment_worker.ops import metrics
 
     names: set[str] = set()
     for obj in vars(metrics).values():
@@ -188,7 +188,7 @@ def _known_metric_names() -> set[str]:
                 names.add(base + "_total")
             if isinstance(obj, Histogram):
                 names |= {base + "_bucket", base + "_sum", base + "_count"}
-    exporter_src = (ROOT / "payment_worker" / "observability" / "exporter.py").read_text()
+    exporter_src = (ROOT / "payment_worker" / "ops" / "exporter.py").read_text()
     names |= set(re.findall(r'"(pw_[a-z_]+)"', exporter_src))
     return names
 

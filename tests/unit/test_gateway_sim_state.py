@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from payment_worker.gateway.simulator import build_parser, config_from_args
-from payment_worker.gateway.simulator_state import (
+from payment_worker.dev.simulator import build_parser, config_from_args
+from payment_worker.dev.simulator_state import (
     Bucket,
     SimConfig,
     SimState,

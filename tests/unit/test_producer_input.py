@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from payment_worker import producer
-from payment_worker.producer import InputError, cli_submit, iter_documents, submit_batch
-from payment_worker.schemas import MAX_JSON_DEPTH
+from payment_worker.domain.batch_schema import MAX_JSON_DEPTH
+from payment_worker.producer import submit as producer
+from payment_worker.producer.submit import InputError, cli_submit, iter_documents, submit_batch
 from payment_worker.settings import Settings
 from tests.unit.test_schemas import DEEP, batch, deep_value, item
 

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from payment_worker.payments import PaymentRequest
-from payment_worker.schemas import (
+from payment_worker.domain.batch_schema import (
     MAX_JSON_DEPTH,
     InvalidBatch,
     RefusedJSON,
@@ -17,6 +16,7 @@ from payment_worker.schemas import (
     loads,
     parse_batch,
 )
+from payment_worker.domain.payment_request import PaymentRequest
 
 LIMITS = {"max_items": 5, "max_amount": 1_000_000}
 

@@ -6,15 +6,15 @@ import random
 
 import pytest
 
-from payment_worker.gateway.outcomes import GatewayResult, Outcome
-from payment_worker.retry import Backoff
-from payment_worker.transitions import (
+from payment_worker.domain.retry import Backoff
+from payment_worker.domain.transitions import (
     RETRIES_EXHAUSTED,
     UNKNOWN_UNRESOLVED,
     Policy,
     after_lookup,
     after_send,
 )
+from payment_worker.gateway.outcomes import GatewayResult, Outcome
 
 POLICY = Policy(max_attempts=3, max_lookups=2, backoff=Backoff(base=1.0, cap=10.0))
 

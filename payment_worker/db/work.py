@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import Connection, text
 
 from payment_worker.errors import FencedOut
-from payment_worker.observability.metrics import FENCING_REJECTIONS
+from payment_worker.ops.metrics import FENCING_REJECTIONS
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from payment_worker.db.models import TERMINAL_TX_STATUSES
+from payment_worker.domain.retry import Backoff
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
-from payment_worker.retry import Backoff
 
 TERMINAL = frozenset(TERMINAL_TX_STATUSES)
 

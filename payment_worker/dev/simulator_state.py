@@ -1,6 +1,6 @@
 """The gateway simulator's in-memory state: config, accounts, stored answers, ledger.
 
-No HTTP here (see :mod:`payment_worker.gateway.simulator`); the event loop runs one
+No HTTP here (see :mod:`payment_worker.dev.simulator`); the event loop runs one
 handler at a time between awaits, so plain dicts need no locks.
 """
 
@@ -16,7 +16,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from payment_worker.idempotency import fingerprint
+from payment_worker.domain.idempotency import fingerprint
 
 FAULTS = ("429", "503", "500", "502", "504", "lost", "slow")
 _CURRENCY = re.compile(r"^[A-Z]{3}$")

@@ -31,8 +31,8 @@ from pydantic import (
     field_validator,
 )
 
-from payment_worker.idempotency import fingerprint
-from payment_worker.payments import PaymentRequest
+from payment_worker.domain.idempotency import fingerprint
+from payment_worker.domain.payment_request import PaymentRequest
 
 IDENTIFIER_MAX_LENGTH = 128
 BANK_CODE_MAX_LENGTH = 32

@@ -15,11 +15,11 @@ from typing import Any
 
 from redis.exceptions import LockError
 
-from payment_worker.db import transactions as repo
-from payment_worker.locks import lock_is_held
-from payment_worker.observability.logging import get_logger
-from payment_worker.observability.metrics import SWEEP_REENQUEUED, SWEEPS
-from payment_worker.processing import Resources, resources
+from payment_worker.db import work as repo
+from payment_worker.locks.account_lock import lock_is_held
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.metrics import SWEEP_REENQUEUED, SWEEPS
+from payment_worker.worker.drain import Resources, resources
 
 log = get_logger("sweeper")
 
@@ -48,7 +48,7 @@ def run_sweep(res: Resources | None = None) -> dict[str, Any]:
 
 
 def _sweep(res: Resources) -> dict[str, Any]:
-    from payment_worker.tasks import enqueue_batch
+    from payment_worker.worker.tasks import enqueue_batch
 
     s = res.settings
     with res.engine.connect() as conn:

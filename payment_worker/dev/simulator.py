@@ -4,7 +4,7 @@ Implements every row of ``shared/gateway-protocol.md`` (tokens that revoke earli
 expire, per-account in-flight and rate limits with ``Retry-After``, idempotent replay, 409
 while a key is in flight, 422 on reuse with another body, 402 declines, lookups) plus fault
 flags (latency, 503, 500/502/504, lost and slow responses). One process, state in memory
-(:mod:`payment_worker.gateway.simulator_state`), served by aiohttp.
+(:mod:`payment_worker.dev.simulator_state`), served by aiohttp.
 
 Declines: a beneficiary ``account_number`` starting with ``REJECT`` gives 402
 ``beneficiary_blocked``; one starting with ``NOFUNDS`` gives 402 ``insufficient_funds``.
@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from payment_worker.gateway.simulator_state import (
+from payment_worker.dev.simulator_state import (
     FAULTS,
     SimConfig,
     SimState,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from payment_worker.celery_app import app
+from payment_worker.worker.celery_app import app
 
 PROCESS_TASK = "payment_worker.process_account_batch"
 
@@ -10,7 +10,7 @@ PROCESS_TASK = "payment_worker.process_account_batch"
 @app.task(name=PROCESS_TASK, bind=False)
 def process_account_batch(batch_id: str) -> None:
     """Take one account's batch through the state machine (queue ``payments``)."""
-    from payment_worker.processing import run_batch_task
+    from payment_worker.worker.drain import run_batch_task
 
     run_batch_task(batch_id)
 
@@ -18,7 +18,7 @@ def process_account_batch(batch_id: str) -> None:
 @app.task(name="payment_worker.sweep")
 def sweep() -> None:
     """Beat's periodic repair: re-enqueue stalled batches, resolve stuck items."""
-    from payment_worker.sweeper import run_sweep
+    from payment_worker.worker.sweeper import run_sweep
 
     run_sweep()
 

@@ -33,11 +33,11 @@ from typing import Any, Literal
 import redis
 from sqlalchemy.exc import SQLAlchemyError
 
-from payment_worker import schemas
 from payment_worker.db import batches as db
 from payment_worker.db.engine import get_engine
-from payment_worker.observability.logging import configure_logging, get_logger
-from payment_worker.observability.metrics import (
+from payment_worker.domain import batch_schema as schemas
+from payment_worker.ops.logging import configure_logging, get_logger
+from payment_worker.ops.metrics import (
     BATCHES_SUBMITTED,
     ENQUEUE_FAILURES,
     SUBMIT_DUPLICATES,
@@ -177,7 +177,7 @@ def _counted(result: SubmitResult) -> SubmitResult:
 
 def _enqueue(batch_id: str) -> bool:
     """Publish the batch id; False (logged, counted) when the broker cannot take it."""
-    from payment_worker.tasks import enqueue_batch  # imports Celery: only when publishing
+    from payment_worker.worker.tasks import enqueue_batch  # imports Celery: only when publishing
 
     try:
         enqueue_batch(batch_id)

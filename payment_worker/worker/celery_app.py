@@ -10,9 +10,9 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_init, worker_process_init
 
-app = Celery("payment_worker", include=["payment_worker.tasks"])
+app = Celery("payment_worker", include=["payment_worker.worker.tasks"])
 # lazy: the config module (and with it any embedded server) loads on first use
-app.config_from_object("payment_worker.celery_config")
+app.config_from_object("payment_worker.worker.celery_config")
 
 
 @worker_process_init.connect
@@ -26,7 +26,7 @@ def _after_fork(**_: Any) -> None:
 @worker_init.connect
 def _worker_init(**_: Any) -> None:
     # structured logs, and this worker process's /metrics on METRICS_PORT (0: off)
-    from payment_worker.observability.logging import configure_logging, get_logger
+    from payment_worker.ops.logging import configure_logging, get_logger
     from payment_worker.settings import get_settings
 
     s = get_settings()

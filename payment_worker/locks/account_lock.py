@@ -33,8 +33,9 @@ from redis.exceptions import RedisError
 
 from payment_worker.db.fences import next_fence_token
 from payment_worker.errors import LockLost, LockNotAcquired
-from payment_worker.observability.logging import get_logger
-from payment_worker.observability.metrics import (
+from payment_worker.locks.watchdog import RENEW_LUA, Watchdog, renewal_client
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.metrics import (
     LOCK_ACQUIRE_SECONDS,
     LOCK_CONTENTION,
     LOCK_LOST,
@@ -42,7 +43,6 @@ from payment_worker.observability.metrics import (
     LOCK_RENEWALS,
 )
 from payment_worker.settings import get_settings
-from payment_worker.watchdog import RENEW_LUA, Watchdog, renewal_client
 
 log = get_logger("locks")
 

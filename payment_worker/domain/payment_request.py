@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from payment_worker.idempotency import fingerprint, idempotency_key
+from payment_worker.domain.idempotency import fingerprint, idempotency_key
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,13 +17,23 @@ from dataclasses import dataclass, field
 import redis
 from sqlalchemy import Connection, Engine
 
-from payment_worker.db import transactions as repo
+from payment_worker.db import work as repo
 from payment_worker.db.engine import get_engine
+from payment_worker.domain.payment_request import PaymentRequest
+from payment_worker.domain.retry import Backoff
+from payment_worker.domain.transitions import (
+    FINGERPRINT_MISMATCH,
+    TERMINAL,
+    Decision,
+    Policy,
+    after_lookup,
+    after_send,
+)
 from payment_worker.errors import FencedOut, LockLost
 from payment_worker.gateway.client import GatewayClient
-from payment_worker.locks import AccountLock
-from payment_worker.observability.logging import get_logger
-from payment_worker.observability.metrics import (
+from payment_worker.locks.account_lock import AccountLock
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.metrics import (
     BATCH_SECONDS,
     DEAD_LETTERS,
     IN_PROGRESS,
@@ -32,18 +42,8 @@ from payment_worker.observability.metrics import (
     TRANSACTION_RETRIES,
     TRANSACTIONS_FINISHED,
 )
-from payment_worker.payments import PaymentRequest
-from payment_worker.retry import Backoff
 from payment_worker.services import redis_url
 from payment_worker.settings import Settings, get_settings
-from payment_worker.transitions import (
-    FINGERPRINT_MISMATCH,
-    TERMINAL,
-    Decision,
-    Policy,
-    after_lookup,
-    after_send,
-)
 
 log = get_logger("processing")
 
@@ -214,7 +214,7 @@ def _hand_off(res: Resources, account_id: str, batch_id: str) -> None:
     """End of a slice: the account goes back to the queue (after the lock is released, so the
     next execution finds it free), and any free worker in any process continues it while
     other accounts get their turn."""
-    from payment_worker.tasks import enqueue_batch
+    from payment_worker.worker.tasks import enqueue_batch
 
     try:
         enqueue_batch(batch_id)
@@ -237,7 +237,7 @@ def _schedule(
     res: Resources, account_id: str, batch_id: str, wait: float, report: DrainReport
 ) -> None:
     """One delayed message per account for work that is not due yet."""
-    from payment_worker.tasks import enqueue_batch
+    from payment_worker.worker.tasks import enqueue_batch
 
     # a countdown must stay below the broker's visibility timeout (or the message would be
     # redelivered while still waiting); if a Retry-After is longer, the task runs early, finds

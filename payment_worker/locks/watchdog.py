@@ -12,7 +12,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from payment_worker.observability.logging import get_logger
+from payment_worker.ops.logging import get_logger
 
 log = get_logger("watchdog")
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from sqlalchemy import text
 
-from payment_worker.cluster import LocalCluster
 from payment_worker.db import migrate
 from payment_worker.db.engine import get_engine
-from payment_worker.reconcile import reconcile
+from payment_worker.dev.local_cluster import LocalCluster
+from payment_worker.dev.reconcile import reconcile
 from payment_worker.services import broker_url, database_url, redis_url, sqlalchemy_url
 from payment_worker.settings import get_settings
 
@@ -72,7 +72,7 @@ def _batch_summaries(batch_ids: list[str]) -> list[tuple[str, str, str]]:
 
 def run_demo(file: str | None = None, *, workers: int = 1, timeout: float = 180.0) -> int:
     """Run the demo; returns the exit code (0 when every item is terminal and reconciled)."""
-    from payment_worker.producer import submit_batch
+    from payment_worker.producer.submit import submit_batch
 
     s = get_settings()
     path = Path(file) if file else SAMPLE

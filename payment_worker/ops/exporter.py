@@ -1,6 +1,6 @@
 """The exporter: Prometheus /metrics on EXPORTER_PORT with gauges read from Postgres per scrape.
 
-Workers count what they do (observability/metrics.py); the exporter reports what *is*: how
+Workers count what they do (ops/metrics.py); the exporter reports what *is*: how
 many transactions sit in each state, open dead letters, and how old the oldest unfinished
 transaction is. It reads Postgres on every scrape (a custom collector), so it holds no
 state, and one exporter serves any number of workers. Labels are bounded: statuses only.
@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine, text
 
 from payment_worker.db.models import BATCH_STATUSES, TERMINAL_TX_STATUSES, TX_STATUSES
-from payment_worker.observability.logging import get_logger
+from payment_worker.ops.logging import get_logger
 
 log = get_logger("exporter")
 

@@ -1,0 +1,1 @@
+"""The account lock (Redis, owner-checked, watchdog-renewed) and its fencing tokens."""

@@ -1,1 +1,0 @@
-"""Metrics, logs and the exporter."""

@@ -1,0 +1,1 @@
+"""What ops see: Prometheus metrics, structured logs, and the Postgres-state exporter."""
