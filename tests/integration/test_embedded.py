@@ -75,22 +75,22 @@ def _ppid(pid: int) -> int | None:
 
 
 def _postmaster_pid(home: Path) -> int:
-    pm = embedded._postmaster(home)
+    pm = embedded.postmaster(home)
     assert pm is not None, "no live postmaster"
     return pm[0]
 
 
 def _redis_pid(home: Path) -> int:
-    running = embedded._redis_running(home)
+    running = embedded.redis_running(home)
     assert running is not None, "no live redis"
     return running[0]
 
 
 def _assert_one_server_each(home: Path) -> None:
     """One redis-server in home/redis; one postmaster, every other process its child."""
-    assert len(embedded._processes_in(home / "redis")) == 1
+    assert len(embedded.processes.processes_in(home / "redis")) == 1
     postmaster = _postmaster_pid(home)
-    procs = embedded._processes_in(home / "pgdata")
+    procs = embedded.processes.processes_in(home / "pgdata")
     assert postmaster in procs
     assert all(_ppid(p) in (postmaster, None) for p in procs if p != postmaster)
 
@@ -113,7 +113,7 @@ def home(scratch: Path) -> Iterator[Path]:
     h = scratch / "home"
     yield h
     embedded.stop(h)
-    leftovers = [p for d in (h / "redis", h / "pgdata") for p in embedded._processes_in(d)]
+    leftovers = [p for d in (h / "redis", h / "pgdata") for p in embedded.processes.processes_in(d)]
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)  # never leave servers behind, even when stop() failed
     assert not leftovers, "services stop left processes running"
@@ -199,7 +199,7 @@ def test_redis_kill9_restarts_on_its_append_only_file(home: Path) -> None:
     _wait_in_aof(home, b"pw:k", b"pw:queue")
     old = _redis_pid(home)
     os.kill(old, signal.SIGKILL)
-    assert embedded._wait_dead(old, 10)
+    assert embedded.processes.wait_dead(old, 10)
 
     again = _start(home)
     # same port when it is free, so processes that cached the URL reconnect
@@ -217,13 +217,13 @@ def test_postmaster_kill9_restarts_with_data_intact(home: Path) -> None:
         conn.execute("CREATE TABLE kept (id int PRIMARY KEY)")
         conn.execute("INSERT INTO kept SELECT generate_series(1, 1000)")
     old = _postmaster_pid(home)
-    children = [p for p in embedded._processes_in(home / "pgdata") if p != old]
+    children = [p for p in embedded.processes.processes_in(home / "pgdata") if p != old]
     os.kill(old, signal.SIGKILL)  # its children are orphaned, still attached to shared memory
 
     again = _start(home)
     assert again["postgres"] == urls["postgres"]
     assert _postmaster_pid(home) != old
-    assert not [p for p in children if embedded._pid_alive(p)]
+    assert not [p for p in children if embedded.processes.pid_alive(p)]
     with psycopg.connect(again["postgres"]) as conn:
         assert conn.execute("SELECT count(*) FROM kept").fetchone() == (1000,)
     _assert_one_server_each(home)
@@ -282,7 +282,7 @@ def test_stale_pid_port_url_files_are_handled(home: Path, sleeper: int) -> None:
     assert redis.Redis.from_url(again["redis"]).get("pw:k") == b"kept"
     with psycopg.connect(again["postgres"]) as conn:
         assert conn.execute("SELECT id FROM kept").fetchall() == [(7,)]
-    assert embedded._pid_alive(sleeper)
+    assert embedded.processes.pid_alive(sleeper)
     _assert_one_server_each(home)
 
     # garbage in every file is survivable too
@@ -321,9 +321,9 @@ def test_services_stop_stops_both_and_data_survives(home: Path) -> None:
 
     proc = _cli(home, "services", "stop")
     assert proc.returncode == 0 and "stopped: redis, postgres" in proc.stdout
-    assert not embedded._pid_alive(rpid) and not embedded._pid_alive(pgpid)
-    assert not embedded._processes_in(home / "pgdata")
-    assert not embedded._processes_in(home / "redis")
+    assert not embedded.processes.pid_alive(rpid) and not embedded.processes.pid_alive(pgpid)
+    assert not embedded.processes.processes_in(home / "pgdata")
+    assert not embedded.processes.processes_in(home / "redis")
     status = _cli(home, "services", "status").stdout
     assert "redis: stopped" in status and "postgres: stopped" in status
     assert "nothing was running" in _cli(home, "services", "stop").stdout
