@@ -41,12 +41,13 @@ def scratch(redis_dbs: tuple[int, int] = (13, 14)) -> Iterator[tuple[str, str, s
     import psycopg
     import redis
 
+    from payment_worker import runtime
     from payment_worker.db import migrate
-    from payment_worker.services import database_url, redis_url
-    from payment_worker.settings import get_settings
+    from payment_worker.runtime import ServiceUrls
+    from payment_worker.settings import load_settings
 
-    base_pg = database_url(get_settings())
-    base_redis = redis_url(get_settings())
+    base = ServiceUrls.resolve(load_settings())
+    base_pg, base_redis = base.database, base.redis
     name = f"pw_bench_{os.getpid()}"
     admin = with_path(base_pg, "/postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
@@ -56,16 +57,14 @@ def scratch(redis_dbs: tuple[int, int] = (13, 14)) -> Iterator[tuple[str, str, s
     r_app = with_path(base_redis, f"/{redis_dbs[0]}")
     r_broker = with_path(base_redis, f"/{redis_dbs[1]}")
     os.environ.update({"DATABASE_URL": db, "REDIS_URL": r_app, "CELERY_BROKER_URL": r_broker})
-    get_settings.cache_clear()
+    runtime.reset()  # rebuilt from the environment above on first use
     for url in (r_app, r_broker):
         redis.Redis.from_url(url).flushdb()
     migrate.upgrade(db.replace("postgresql://", "postgresql+psycopg://", 1))
     try:
         yield db, r_app, r_broker
     finally:
-        from payment_worker.db.engine import dispose_engines
-
-        dispose_engines()
+        runtime.reset()
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 

@@ -43,7 +43,7 @@ from payment_worker.domain.payment_request import PaymentRequest  # noqa: E402
 from payment_worker.gateway import GatewayClient, GatewayResult  # noqa: E402
 from payment_worker.gateway.outcomes import not_sent  # noqa: E402
 from payment_worker.settings import Settings  # noqa: E402
-from tests.sim_fixtures import run_simulator  # noqa: E402
+from tests.sim_fixtures import gateway_client, run_simulator  # noqa: E402
 
 BEN = {"bank_code": "014", "account_number": "1234567890", "name": "Budi"}
 
@@ -84,7 +84,7 @@ def _token_worker(
     from payment_worker.ops.logging import configure_logging
 
     configure_logging("WARNING")
-    client = GatewayClient(Settings())
+    client = gateway_client(Settings())
     if mode == "naive":
         client.tokens = NaiveTokens(client)  # type: ignore[assignment]
     outcomes: Counter[str] = Counter()
@@ -181,7 +181,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, float]:
             redis_key_prefix=f"pwbench-{uuid.uuid4().hex[:8]}",
             gateway_rate_per_second=1_000_000,
         )
-        client = GatewayClient(s)
+        client = gateway_client(s)
         raw = httpx.Client(base_url=sim.url, timeout=5)
         grant = {"grant_type": "client_credentials", "client_secret": "sim-secret"}
         accounts = [f"ov-{i}" for i in range(50)]
@@ -320,10 +320,13 @@ def main() -> int:
     p.add_argument("--throughput-seconds", type=float, default=10.0)
     args = p.parse_args()
     from payment_worker.ops.logging import configure_logging
-    from payment_worker.services import redis_url
+    from payment_worker.runtime import ServiceUrls
+    from payment_worker.settings import load_settings
 
     configure_logging("WARNING")
-    os.environ["REDIS_URL"] = redis_url()  # children use the same Redis, never start another
+    os.environ["REDIS_URL"] = ServiceUrls.resolve(
+        load_settings()
+    ).redis  # children use the same Redis, never start another
     fraction = Settings().gateway_token_refresh_fraction
     print(
         f"machine: {os.cpu_count()} CPUs; python {sys.version.split()[0]}; "

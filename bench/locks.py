@@ -30,9 +30,22 @@ from sqlalchemy.pool import Pool
 from payment_worker.db.engine import make_engine
 from payment_worker.locks.account_lock import AccountLock
 from payment_worker.ops.logging import configure_logging
-from payment_worker.services import redis_url, sqlalchemy_url
+from payment_worker.runtime import ServiceUrls
+from payment_worker.settings import load_settings
 
 PREFIX = f"bench-{os.getpid()}"
+
+
+def redis_url() -> str:
+    """The service's Redis (the settings' URL, or the embedded server)."""
+    return ServiceUrls.resolve(load_settings()).redis
+
+
+def sqlalchemy_url() -> str:
+    """The service's database in SQLAlchemy form."""
+    return ServiceUrls.resolve(load_settings()).sqlalchemy
+
+
 TTL_MS = 30_000
 
 

@@ -53,15 +53,14 @@ def make_batch(run: str, n: int, items: int) -> dict[str, Any]:
 
 
 def _worker(run: str, indexes: list[int], items: int, phase: str, start: Any, out: Any) -> None:
-    from payment_worker import submit_batch
-    from payment_worker.db.engine import get_engine
+    from payment_worker import runtime, submit_batch
     from payment_worker.ops.logging import configure_logging
     from payment_worker.worker.tasks import process_account_batch
 
     configure_logging("WARNING")  # a log line per batch would be measured too
     batches = [make_batch(run, n, items) for n in indexes]
     # connections made before the clock starts: database, broker
-    with get_engine().connect():
+    with runtime.current().engine.connect():
         pass
     with process_account_batch.app.connection_for_write() as conn:
         conn.ensure_connection()
@@ -126,15 +125,15 @@ def main() -> int:
     import redis
 
     from payment_worker.db import migrate
-    from payment_worker.services import database_url, redis_url
+    from payment_worker.runtime import ServiceUrls
     from payment_worker.settings import Settings
 
-    base = Settings()
-    admin = _with_path(database_url(base), "/postgres")
+    base = ServiceUrls.resolve(Settings())
+    admin = _with_path(base.database, "/postgres")
     db_name = f"pw_bench_{os.getpid()}"
     app_db, broker_db = (int(x) for x in args.redis_dbs.split(","))
-    r_base = redis_url(base)
-    os.environ["DATABASE_URL"] = _with_path(database_url(base), f"/{db_name}")
+    r_base = base.redis
+    os.environ["DATABASE_URL"] = _with_path(base.database, f"/{db_name}")
     os.environ["REDIS_URL"] = _with_path(r_base, f"/{app_db}")
     os.environ["CELERY_BROKER_URL"] = _with_path(r_base, f"/{broker_db}")
     app_r = redis.Redis.from_url(os.environ["REDIS_URL"])

@@ -121,11 +121,11 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     import psycopg
     import redis
 
-    from payment_worker.db.engine import dispose_engines
+    from payment_worker import runtime
     from payment_worker.dev.local_cluster import LocalCluster, free_port
     from payment_worker.dev.samples import make_batches
     from payment_worker.producer.submit import submit_batch
-    from payment_worker.worker.tasks import enqueue_batch
+    from payment_worker.worker.queueing import enqueue_batch
 
     sc = dict(SCENARIOS[num])
     if args.quick:
@@ -140,7 +140,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         )
     for url in (r_app, r_broker):
         redis.Redis.from_url(url).flushdb()
-    dispose_engines()
+    runtime.reset()
     batches = make_batches(
         batches=sc["batches"], items=sc["items"], accounts=sc["accounts"], prefix=f"s{num}"
     )

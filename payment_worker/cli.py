@@ -6,36 +6,53 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from payment_worker.embedded import EmbeddedError
-from payment_worker.settings import SettingsError, get_settings
+from payment_worker import embedded, runtime
+from payment_worker.runtime import Runtime, ServiceUrls
+from payment_worker.settings import Settings, SettingsError, load_settings
 
 
-def _db(args: argparse.Namespace) -> int:
+@dataclass
+class Context:
+    """What a command is handed: the settings, and this process's runtime on first use (a
+    command that only reads its input never starts a server)."""
+
+    settings: Settings
+    _runtime: Runtime | None = field(default=None, repr=False)
+
+    def runtime(self) -> Runtime:
+        """The process's runtime, built on first use."""
+        if self._runtime is None:
+            self._runtime = runtime.install(Runtime(self.settings))
+        return self._runtime
+
+
+def _db(args: argparse.Namespace, ctx: Context) -> int:
     from payment_worker.db import migrate
 
+    url = ServiceUrls.resolve(ctx.settings).sqlalchemy
     if args.action == "upgrade":
-        migrate.upgrade(revision=args.revision or "head")
+        migrate.upgrade(url, revision=args.revision or "head")
         print("database schema is at head")
     elif args.action == "downgrade":
-        migrate.downgrade(revision=args.revision or "base")
+        migrate.downgrade(url, revision=args.revision or "base")
         print(f"database schema downgraded to {args.revision or 'base'}")
     else:
-        migrate.current()
+        migrate.current(url)
     return 0
 
 
-def _services(args: argparse.Namespace) -> int:
-    from payment_worker import embedded, services
-
-    s = get_settings()
+def _services(args: argparse.Namespace, ctx: Context) -> int:
+    s = ctx.settings
     home = s.home
     if args.action == "stop":
         stopped = embedded.stop(home)
         print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     elif args.action == "start":
-        print(f"postgres: {services.database_url(s)}")
-        print(f"redis:    {services.redis_url(s)}")
+        urls = ServiceUrls.resolve(s)
+        print(f"postgres: {urls.database}")
+        print(f"redis:    {urls.redis}")
     else:
         for name, state in embedded.status(home).items():
             print(f"{name}: {state}")
@@ -44,19 +61,19 @@ def _services(args: argparse.Namespace) -> int:
     return 0
 
 
-def _submit(args: argparse.Namespace) -> int:
+def _submit(args: argparse.Namespace, ctx: Context) -> int:
     from payment_worker.producer.submit import cli_submit
 
-    return cli_submit(args.file)
+    return cli_submit(args.file, ctx.runtime)
 
 
-def _status(args: argparse.Namespace) -> int:
+def _status(args: argparse.Namespace, ctx: Context) -> int:
     from payment_worker.producer.status import cli_status
 
     if not args.batch_ids and not args.all:
         print("payment-worker status: name one or more BATCH_IDs, or --all", file=sys.stderr)
         return 2
-    return cli_status(args.batch_ids, all_batches=args.all, as_json=args.json)
+    return cli_status(args.batch_ids, ctx.runtime(), all_batches=args.all, as_json=args.json)
 
 
 def _gateway_sim(argv: list[str]) -> int:
@@ -65,26 +82,24 @@ def _gateway_sim(argv: list[str]) -> int:
     return sim_main(argv)
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace, ctx: Context) -> int:
     from payment_worker.dev.demo import run_demo
 
-    return run_demo(args.file, workers=args.workers, timeout=args.timeout)
+    return run_demo(ctx.runtime(), args.file, workers=args.workers, timeout=args.timeout)
 
 
-def _sweep(_: argparse.Namespace) -> int:
+def _sweep(_: argparse.Namespace, ctx: Context) -> int:
     from payment_worker.worker.sweeper import run_sweep
 
-    print(json.dumps(run_sweep()))
+    print(json.dumps(run_sweep(ctx.runtime())))
     return 0
 
 
-def _exporter(args: argparse.Namespace) -> int:
+def _exporter(args: argparse.Namespace, ctx: Context) -> int:
     from payment_worker.ops.exporter import serve
-    from payment_worker.ops.logging import configure_logging
 
-    s = get_settings()
-    configure_logging(s.log_level, s.log_json)
-    serve(args.port if args.port is not None else s.exporter_port, host=args.host)
+    port = args.port if args.port is not None else ctx.settings.exporter_port
+    serve(port, ctx.runtime().engine, host=args.host)
     return 0
 
 
@@ -137,20 +152,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args_list[:1] == ["gateway-sim"]:
             return _gateway_sim(args_list[1:])
         args = build_parser().parse_args(args_list)
-        s = get_settings()  # a bad setting fails here, with one line and exit code 2
+        s = load_settings()  # a bad setting fails here, with one line and exit code 2
         if not (args.command == "services" and args.action in ("status", "stop")):
-            from payment_worker.services import require_servers
-
-            require_servers(s)  # no URL and no embedded extra: one line, exit code 2
+            # no URL and no embedded extra: one line, exit code 2, before anything else
+            missing = embedded.missing_for(s.database_url, s.redis_url)
+            if missing:
+                raise embedded.EmbeddedNotInstalled(missing)
         from payment_worker.ops.logging import configure_logging
 
         # logs go to stderr, so a command's own output (JSON lines, tables) stays clean
         configure_logging(s.log_level, s.log_json)
-        rc: int = args.func(args)
+        try:
+            rc: int = args.func(args, Context(s))
+        finally:
+            runtime.reset()
         return rc
     except SettingsError as exc:
         return int(exc.code or 2)
-    except EmbeddedError as exc:
+    except embedded.EmbeddedError as exc:
         # a missing extra, an OS user that cannot be created...: the set-up, not a bug
         print(f"payment-worker: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,6 @@ The configuration reference is docs/configuration.md; keep the two in step.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -166,9 +165,12 @@ def describe_error(exc: ValidationError) -> str:
     return "invalid setting " + "; ".join(parts)
 
 
-@functools.lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    """The process-wide settings; exits with code 2 and one clear line when a value is bad."""
+def load_settings() -> Settings:
+    """Settings from the environment; exits with code 2 and one clear line when a value is bad.
+
+    Read once per process, by whoever builds the :class:`~payment_worker.runtime.Runtime`;
+    everything else is handed the settings.
+    """
     try:
         return Settings()
     except ValidationError as exc:

@@ -20,7 +20,8 @@ import psycopg
 import pytest
 import redis
 
-from payment_worker.settings import Settings, get_settings
+from payment_worker import runtime
+from payment_worker.settings import Settings
 
 pytest_plugins = ["tests.sim_fixtures"]
 
@@ -63,12 +64,9 @@ class ServiceUrls:
     redis_base: str
 
 
-def _reset_caches() -> None:
-    from payment_worker import services
-
-    get_settings.cache_clear()
-    services._embedded_pg.cache_clear()
-    services._embedded_redis.cache_clear()
+def _reset_runtime() -> None:
+    # the process's runtime was built from the environment the test changes
+    runtime.reset()
 
 
 @pytest.fixture(scope="session")
@@ -146,16 +144,19 @@ def pw_env(
     monkeypatch.setenv("DATABASE_URL", db_url)
     monkeypatch.setenv("REDIS_URL", r_url)
     monkeypatch.setenv("CELERY_BROKER_URL", b_url)
-    _reset_caches()
+    _reset_runtime()
     try:
-        yield PwEnv(db_url, r_url, b_url, get_settings())
+        yield PwEnv(db_url, r_url, b_url, Settings())
     finally:
-        from payment_worker.db.engine import dispose_engines
-
-        dispose_engines()
-        _reset_caches()
+        _reset_runtime()
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def rt(pw_env: PwEnv) -> runtime.Runtime:
+    """This process's runtime on the test's private database and Redis databases."""
+    return runtime.current()
 
 
 @pytest.fixture

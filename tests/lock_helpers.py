@@ -41,10 +41,12 @@ def _clients(ttl_ms: int) -> tuple[Any, Any]:
     import redis
 
     from payment_worker.db.engine import make_engine
-    from payment_worker.services import redis_url, sqlalchemy_url
+    from payment_worker.runtime import ServiceUrls
+    from payment_worker.settings import Settings
 
-    r = redis.Redis.from_url(redis_url(), socket_timeout=5, socket_connect_timeout=5)
-    engine = make_engine(sqlalchemy_url(), pool_size=1)
+    urls = ServiceUrls.resolve(Settings())
+    r = redis.Redis.from_url(urls.redis, socket_timeout=5, socket_connect_timeout=5)
+    engine = make_engine(urls.sqlalchemy, pool_size=1)
     return r, engine
 
 

@@ -121,17 +121,17 @@ def gateway_sim(
     _gateway_sim_process: SimHandle, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[SimHandle]:
     """A simulator with default config and empty state; GATEWAY_URL points at it."""
+    from payment_worker import runtime
     from payment_worker.dev.simulator_state import SimConfig
-    from payment_worker.settings import get_settings
 
     sim = _gateway_sim_process
     defaults = SimConfig().as_dict()
     sim.configure(**defaults)
     sim.reset()
     monkeypatch.setenv("GATEWAY_URL", sim.url)
-    get_settings.cache_clear()
+    runtime.reset()
     yield sim
-    get_settings.cache_clear()
+    runtime.reset()
 
 
 # --- multi-process client bursts ----------------------------------------------------------
@@ -142,9 +142,9 @@ def burst_worker(spec: dict[str, Any], ready: Any, go: Any, out: Any) -> None:
     per-call results ``{"outcome", "status", "t0", "t1"}`` (wall clock) on ``out``.
     """
     from payment_worker.domain.payment_request import PaymentRequest
-    from payment_worker.gateway.client import GatewayClient
+    from payment_worker.settings import Settings
 
-    client = GatewayClient()
+    client = gateway_client(Settings())
     results: list[dict[str, Any]] = []
     lock = threading.Lock()
 
@@ -211,3 +211,12 @@ def run_bursts(
             if p.is_alive():
                 p.kill()
     return started, results
+
+
+def gateway_client(settings: Any) -> Any:
+    """A gateway client of ``settings`` with a Redis client of the settings' ``REDIS_URL``."""
+    import redis
+
+    from payment_worker.gateway.client import GatewayClient
+
+    return GatewayClient(settings, redis.Redis.from_url(settings.redis_url))

@@ -1,19 +1,14 @@
-"""One SQLAlchemy engine per process (fork-safe), and short transactions on it."""
+"""SQLAlchemy engines: the service's pooled engine, and the fencing upsert's small one.
+
+Built by :class:`~payment_worker.runtime.Runtime`, once per process; never cached here.
+"""
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sqlalchemy import Connection, Engine, create_engine
-
-from payment_worker.services import sqlalchemy_url
-from payment_worker.settings import Settings, get_settings
-
-_lock = threading.Lock()
-_engines: dict[tuple[int, str], Engine] = {}
 
 
 def make_engine(url: str, *, pool_size: int = 5) -> Engine:
@@ -28,31 +23,23 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
     )
 
 
-def get_engine(settings: Settings | None = None) -> Engine:
-    """The engine of this process; a forked child gets its own, never its parent's sockets."""
-    url = sqlalchemy_url(settings or get_settings())
-    key = (os.getpid(), url)
-    engine = _engines.get(key)
-    if engine is None:
-        with _lock:
-            engine = _engines.get(key)
-            if engine is None:
-                engine = make_engine(url)
-                _engines[key] = engine
-    return engine
-
-
-def dispose_engines() -> None:
-    """Forget every engine (after a fork, or at shutdown)."""
-    with _lock:
-        for (pid, _), engine in list(_engines.items()):
-            # a parent's pooled sockets must not be closed from the child: close=False
-            engine.dispose(close=pid == os.getpid())
-        _engines.clear()
+def make_fence_engine(url: str) -> Engine:
+    """A small autocommit pool without pre-ping, for the fencing upsert of each lock
+    acquisition: exactly one round trip (a pre-ping is one more, BEGIN/COMMIT two more). A
+    dead pooled connection is retried once by the lock."""
+    return create_engine(
+        url,
+        pool_size=2,
+        max_overflow=8,
+        pool_pre_ping=False,
+        pool_recycle=1800,
+        isolation_level="AUTOCOMMIT",
+        connect_args={"connect_timeout": 10},
+    )
 
 
 @contextmanager
-def transaction(engine: Engine | None = None) -> Iterator[Connection]:
+def transaction(engine: Engine) -> Iterator[Connection]:
     """One short database transaction: commit on success, roll back on error."""
-    with (engine or get_engine()).begin() as conn:
+    with engine.begin() as conn:
         yield conn

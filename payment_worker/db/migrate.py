@@ -14,8 +14,8 @@ from alembic.config import Config
 
 
 def alembic_config(url: str | None = None) -> Config:
-    """The alembic config of the packaged migrations; ``url`` (SQLAlchemy form) overrides the
-    settings."""
+    """The alembic config of the packaged migrations for the database at ``url`` (SQLAlchemy
+    form); without one, env.py reads the settings."""
     cfg = Config()
     # the folder inside the installed package, wherever the command runs from
     cfg.set_main_option("script_location", str(resources.files("payment_worker") / "migrations"))

@@ -14,14 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 
 from payment_worker.db import migrate
-from payment_worker.db.engine import get_engine
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.reconcile import reconcile
-from payment_worker.services import broker_url, database_url, redis_url, sqlalchemy_url
-from payment_worker.settings import get_settings
+from payment_worker.runtime import Runtime
 
 # shipped inside the package, so an installed wheel finds it from any working directory
 SAMPLE = Path(__file__).resolve().parent / "sample-batch.json"
@@ -42,8 +40,8 @@ def _load_batches(path: Path, run_id: str) -> list[dict[str, Any]]:
     return batches
 
 
-def _progress(batch_ids: list[str]) -> dict[str, int]:
-    with get_engine().connect() as conn:
+def _progress(engine: Engine, batch_ids: list[str]) -> dict[str, int]:
+    with engine.connect() as conn:
         rows = conn.execute(
             text(
                 "SELECT t.status, count(*) FROM transactions t JOIN batches b ON b.id = t.batch_pk "
@@ -54,8 +52,8 @@ def _progress(batch_ids: list[str]) -> dict[str, int]:
     return {str(r[0]): int(r[1]) for r in rows}
 
 
-def _batch_summaries(batch_ids: list[str]) -> list[tuple[str, str, str]]:
-    with get_engine().connect() as conn:
+def _batch_summaries(engine: Engine, batch_ids: list[str]) -> list[tuple[str, str, str]]:
+    with engine.connect() as conn:
         rows = conn.execute(
             text(
                 "SELECT b.batch_id, b.status, t.status, count(*) FROM batches b "
@@ -70,25 +68,27 @@ def _batch_summaries(batch_ids: list[str]) -> list[tuple[str, str, str]]:
     return [(b, st, " ".join(parts)) for (b, st), parts in out.items()]
 
 
-def run_demo(file: str | None = None, *, workers: int = 1, timeout: float = 180.0) -> int:
+def run_demo(
+    rt: Runtime, file: str | None = None, *, workers: int = 1, timeout: float = 180.0
+) -> int:
     """Run the demo; returns the exit code (0 when every item is terminal and reconciled)."""
     from payment_worker.producer.submit import submit_batch
 
-    s = get_settings()
+    s = rt.settings
     path = Path(file) if file else SAMPLE
     run_id = time.strftime("%Y%m%d%H%M%S")
     _say("payment-worker demo")
     embedded = not (s.database_url and s.redis_url)
     _say(f"[1/6] services ({'embedded, data in ' + str(s.home) if embedded else 'from the URLs'})")
     env_urls = {
-        "DATABASE_URL": database_url(s),
-        "REDIS_URL": redis_url(s),
-        "CELERY_BROKER_URL": broker_url(s),
+        "DATABASE_URL": rt.urls.database,
+        "REDIS_URL": rt.urls.redis,
+        "CELERY_BROKER_URL": rt.urls.broker,
     }
     for name, url in env_urls.items():
         _say(f"      {name}={url}")
     _say("[2/6] schema: alembic upgrade head")
-    migrate.upgrade(sqlalchemy_url(s))
+    migrate.upgrade(rt.urls.sqlalchemy)
     workdir = s.home / "demo" / run_id
 
     env = {**os.environ, **env_urls, "METRICS_PORT": "0"}
@@ -103,7 +103,7 @@ def run_demo(file: str | None = None, *, workers: int = 1, timeout: float = 180.
         _say(f"[5/6] submitting {len(batches)} batch(es) from {path}")
         ids: list[str] = []
         for b in batches:
-            res = submit_batch(b)
+            res = submit_batch(b, runtime=rt)
             _say("      " + json.dumps(res.to_json()))
             if res.status != "rejected" and res.batch_id:
                 ids.append(res.batch_id)
@@ -112,7 +112,7 @@ def run_demo(file: str | None = None, *, workers: int = 1, timeout: float = 180.
         _say(f"[6/6] processing {total} transaction(s)")
         counts: dict[str, int] = {}
         while time.monotonic() < deadline:
-            counts = _progress(ids)
+            counts = _progress(rt.engine, ids)
             done = sum(counts.get(k, 0) for k in ("succeeded", "failed", "dead"))
             _say(
                 f"      {done}/{total} terminal  "
@@ -121,11 +121,11 @@ def run_demo(file: str | None = None, *, workers: int = 1, timeout: float = 180.
             if done >= total:
                 break
             time.sleep(1.0)
-        with get_engine().connect() as conn:
+        with rt.engine.connect() as conn:
             rec = reconcile(conn, cluster.ledger(), ids)
     _say("")
     _say(f"{'batch':<44} {'status':<10} items")
-    for batch_id, status, summary in _batch_summaries(ids):
+    for batch_id, status, summary in _batch_summaries(rt.engine, ids):
         _say(f"{batch_id:<44} {status:<10} {summary}")
     _say("")
     _say("reconciliation with the gateway ledger: " + json.dumps(rec.summary()))

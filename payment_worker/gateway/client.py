@@ -40,7 +40,7 @@ from payment_worker.ops.metrics import (
     GATEWAY_REQUESTS,
     GATEWAY_UNAUTHORIZED,
 )
-from payment_worker.settings import Settings, get_settings
+from payment_worker.settings import Settings
 
 log = get_logger("gateway.client")
 
@@ -57,13 +57,9 @@ def check_idempotency_key(key: str) -> None:
 class GatewayClient:
     """Thread-safe client of the aggregator protocol (``shared/gateway-protocol.md``)."""
 
-    def __init__(self, settings: Settings | None = None, redis: redis.Redis | None = None) -> None:
-        self._settings = settings if settings is not None else get_settings()
-        s = self._settings
-        if redis is None:
-            from payment_worker.services import redis_url
-
-            redis = _redis_from_url(redis_url(s))
+    def __init__(self, settings: Settings, redis: redis.Redis) -> None:
+        self._settings = settings
+        s = settings
         self._redis = redis
         # one pooled httpx client per thread: a worker thread drives one account at a time,
         # and a pool shared by all threads serializes them on its lock (measured)
@@ -276,7 +272,3 @@ class GatewayClient:
 def _seg(value: str) -> str:
     """One URL path segment, percent-encoded."""
     return quote(value, safe="")
-
-
-def _redis_from_url(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url)

@@ -19,11 +19,9 @@ docs/locks.md describes the keys, scripts and rules.
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,9 +40,11 @@ from payment_worker.ops.metrics import (
     LOCK_RELEASE_NOT_OWNER,
     LOCK_RENEWALS,
 )
-from payment_worker.settings import get_settings
 
 log = get_logger("locks")
+
+# the default of REDIS_KEY_PREFIX, for callers that pass no prefix (tools, tests)
+DEFAULT_KEY_PREFIX = "pw"
 
 _BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
 
@@ -155,7 +155,7 @@ return 0
 
 def lock_key(account_id: str, key_prefix: str | None = None) -> str:
     """The Redis key of an account's lock: ``{prefix}:lock:{account_id}`` with a hash tag."""
-    prefix = key_prefix if key_prefix is not None else get_settings().redis_key_prefix
+    prefix = key_prefix if key_prefix is not None else DEFAULT_KEY_PREFIX
     return f"{prefix}:lock:{{{account_id}}}"
 
 
@@ -164,43 +164,18 @@ def lock_is_held(redis: redis.Redis, account_id: str, key_prefix: str | None = N
     return bool(redis.exists(lock_key(account_id, key_prefix)))
 
 
-# One small autocommit pool per caller's engine and process, without pre-ping: the
-# fencing upsert is then exactly one round trip (a pre-ping is one more, an explicit
-# BEGIN/COMMIT two more). A dead pooled connection is retried once (see _fence).
-_fence_engines: weakref.WeakKeyDictionary[sqlalchemy.Engine, tuple[int, sqlalchemy.Engine]] = (
-    weakref.WeakKeyDictionary()
-)
-_fence_engines_lock = threading.Lock()
-
-
-def _fence_engine(engine: sqlalchemy.Engine) -> sqlalchemy.Engine:
-    with _fence_engines_lock:
-        entry = _fence_engines.get(engine)
-        if entry is None or entry[0] != os.getpid():
-            fast = sqlalchemy.create_engine(
-                engine.url,
-                pool_size=2,
-                max_overflow=8,
-                pool_pre_ping=False,
-                pool_recycle=1800,
-                isolation_level="AUTOCOMMIT",
-                connect_args={"connect_timeout": 10},
-            )
-            entry = (os.getpid(), fast)
-            _fence_engines[engine] = entry
-        return entry[1]
-
-
 def _fence(engine: sqlalchemy.Engine, account_id: str) -> int:
     """The account's next fencing token; a stale pooled connection is retried once.
 
-    A retry may burn a number (the first upsert may have committed before the connection
-    died); tokens only need to grow, so a gap is harmless.
+    ``engine`` is best an autocommit pool without pre-ping (``db.engine.make_fence_engine``):
+    the upsert is then one round trip. A retry may burn a number (the first upsert may have
+    committed before the connection died); tokens only need to grow, so a gap is harmless.
     """
-    fast = _fence_engine(engine)
     for attempt in (1, 2):
         try:
-            with fast.connect() as conn:
+            # begin(): a commit on any engine, and no BEGIN/COMMIT round trip on an
+            # autocommit one
+            with engine.begin() as conn:
                 return next_fence_token(conn, account_id)
         except sqlalchemy.exc.DBAPIError as exc:
             if attempt == 2 or not exc.connection_invalidated:
@@ -215,7 +190,7 @@ def _text(value: Any) -> str:
 class AccountLock:
     """The lock of one account, with watchdog renewal, a lost-lock signal and fencing.
 
-    Use as a context manager (blocking up to ``LOCK_WAIT_TIMEOUT``, raising
+    Use as a context manager (blocking up to ``wait_timeout``, raising
     :class:`LockNotAcquired`) or call :meth:`acquire` / :meth:`release`. Between them,
     call :meth:`ensure_held` before every side effect and carry :attr:`fence_token` in
     every state write. Redis clients should have a ``socket_timeout`` (a hung Redis then
@@ -229,17 +204,17 @@ class AccountLock:
         account_id: str,
         *,
         engine: sqlalchemy.Engine,
-        ttl_ms: int | None = None,
-        safety_margin_ms: int | None = None,
+        ttl_ms: int = 30_000,
+        safety_margin_ms: int = 1_000,
         key_prefix: str | None = None,
+        wait_timeout: float = 0.0,
+        renewal_redis: redis.Redis | None = None,
         on_lost: Callable[[str], None] | None = None,
     ) -> None:
-        settings = get_settings()
         self.account_id = account_id
-        self.ttl_ms = ttl_ms if ttl_ms is not None else settings.lock_ttl_ms
-        self.safety_margin_ms = (
-            safety_margin_ms if safety_margin_ms is not None else settings.lock_safety_margin_ms
-        )
+        self.ttl_ms = ttl_ms
+        self.safety_margin_ms = safety_margin_ms
+        self.wait_timeout = wait_timeout
         if self.ttl_ms <= 0 or not 0 <= self.safety_margin_ms < self.ttl_ms:
             raise ValueError("need ttl_ms > 0 and 0 <= safety_margin_ms < ttl_ms")
         self.key = lock_key(account_id, key_prefix)
@@ -254,7 +229,10 @@ class AccountLock:
         self._token: str | None = None
         self._deadline = 0.0
         self._watchdog: Watchdog | None = None
-        self._renew = renewal_client(redis, self.ttl_ms).register_script(RENEW_LUA)
+        # renewals go through a no-retry client with a short socket timeout; the Runtime
+        # shares one per process, a lock built without one makes its own
+        renewer = renewal_redis if renewal_redis is not None else renewal_client(redis, ttl_ms)
+        self._renew = renewer.register_script(RENEW_LUA)
         self._release = redis.register_script(_RELEASE_LUA)
         self._wait = redis.register_script(_WAIT_LUA)
         self._cancel = redis.register_script(_CANCEL_LUA)
@@ -488,7 +466,7 @@ class AccountLock:
         return True
 
     def __enter__(self) -> AccountLock:
-        timeout = get_settings().lock_wait_timeout
+        timeout = self.wait_timeout
         if not self.acquire(blocking=timeout > 0, timeout=timeout):
             raise LockNotAcquired(f"account {self.account_id} is locked by another worker")
         return self

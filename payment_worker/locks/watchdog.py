@@ -3,9 +3,7 @@ sleep), the owner-checked renewal script and the client that runs it."""
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 from collections.abc import Callable
 
 import redis
@@ -27,48 +25,31 @@ if cur then return -1 end
 return 0
 """
 
-_clients_lock = threading.Lock()
-
-# The watchdog renews through its own small pool built from the caller's connection
-# settings, with no client-side retries and a socket timeout of at most TTL/3: the
-# default redis-py retries can stretch one failed call over seconds, and a client
-# without a socket timeout would block forever on a hung server.
-_renewal_clients: weakref.WeakKeyDictionary[
-    redis.ConnectionPool, tuple[int, dict[float, redis.Redis]]
-] = weakref.WeakKeyDictionary()
 # per-pool state of the pool's notification machinery, not connection settings
 _POOL_OWNED_KWARGS = ("maint_notifications", "orig_")
 
 
 def renewal_client(client: redis.Redis, ttl_ms: int) -> redis.Redis:
-    """A client for renewals: the caller's connection settings, no retries, timeout <= TTL/3."""
+    """A client for renewals: the caller's connection settings, no retries, timeout <= TTL/3.
+
+    The watchdog renews through its own small pool: the default redis-py retries can stretch
+    one failed call over seconds, and a client without a socket timeout would block forever
+    on a hung server. Build one per process (the Runtime does) and share it between locks.
+    """
     pool = client.connection_pool
     kwargs = dict(pool.connection_kwargs)
     limit = ttl_ms / 3000
     timeout = round(min(limit, float(kwargs.get("socket_timeout") or limit)), 3)
-    with _clients_lock:
-        entry = _renewal_clients.get(pool)
-        if entry is None or entry[0] != os.getpid():
-            entry = (os.getpid(), {})
-            _renewal_clients[pool] = entry
-        renewer = entry[1].get(timeout)
-        if renewer is None:
-            for name in list(kwargs):
-                if name.startswith(_POOL_OWNED_KWARGS):
-                    del kwargs[name]
-            kwargs.update(
-                retry=Retry(NoBackoff(), 0),
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-            )
-            renewer = redis.Redis(
-                # unbounded like redis-py's default: a full pool would fail renewals
-                connection_pool=redis.ConnectionPool(
-                    connection_class=pool.connection_class, **kwargs
-                )
-            )
-            entry[1][timeout] = renewer
-        return renewer
+    for name in list(kwargs):
+        if name.startswith(_POOL_OWNED_KWARGS):
+            del kwargs[name]
+    kwargs.update(
+        retry=Retry(NoBackoff(), 0), socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    # unbounded like redis-py's default: a full pool would fail renewals
+    return redis.Redis(
+        connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+    )
 
 
 Tick = Callable[[], float | None]

@@ -6,14 +6,16 @@ from alembic import context
 from sqlalchemy import create_engine, pool
 
 from payment_worker.db.models import metadata
-from payment_worker.services import sqlalchemy_url
+from payment_worker.runtime import ServiceUrls
+from payment_worker.settings import load_settings
 
 config = context.config
 target_metadata = metadata
 
 
 def _url() -> str:
-    return config.attributes.get("url") or sqlalchemy_url()
+    # payment-worker db upgrade passes the URL; `alembic` run by hand reads the settings
+    return config.attributes.get("url") or ServiceUrls.resolve(load_settings()).sqlalchemy
 
 
 def run_migrations_offline() -> None:

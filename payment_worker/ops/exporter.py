@@ -109,13 +109,8 @@ def build_registry(engine: Engine) -> CollectorRegistry:
     return registry
 
 
-def serve(port: int, host: str = "0.0.0.0", engine: Engine | None = None) -> None:
+def serve(port: int, engine: Engine, host: str = "0.0.0.0") -> None:
     """Serve /metrics on ``host:port`` until interrupted."""
-    from payment_worker.db.engine import make_engine
-    from payment_worker.services import sqlalchemy_url
-
-    # a small pool of its own: a scrape needs one connection at a time
-    engine = engine or make_engine(sqlalchemy_url(), pool_size=1)
     server, thread = start_http_server(port, addr=host, registry=build_registry(engine))
     log.info("exporter_listening", host=host, port=server.server_port)
     try:
@@ -123,4 +118,3 @@ def serve(port: int, host: str = "0.0.0.0", engine: Engine | None = None) -> Non
             thread.join(timeout=1.0)
     finally:
         server.shutdown()
-        engine.dispose()

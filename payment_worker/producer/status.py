@@ -25,9 +25,8 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from payment_worker.db.batches import StatusRow, stream_status
-from payment_worker.db.engine import get_engine
 from payment_worker.db.models import TX_STATUSES
-from payment_worker.settings import get_settings
+from payment_worker.runtime import Runtime
 
 _ERROR_WIDTH = 60
 
@@ -129,13 +128,13 @@ def render(
     return write_json(rows, out) if as_json else write_table(rows, out)
 
 
-def cli_status(batch_ids: list[str], *, all_batches: bool, as_json: bool) -> int:
+def cli_status(batch_ids: list[str], rt: Runtime, *, all_batches: bool, as_json: bool) -> int:
     """``payment-worker status``: exit 0, or 1 when a named batch does not exist or the
     database cannot be reached (with one line on stderr)."""
     wanted = None if all_batches else list(dict.fromkeys(batch_ids))
     out = sys.stdout
     try:
-        with get_engine(get_settings()).connect() as conn:
+        with rt.engine.connect() as conn:
             seen = render(conn, wanted, out, as_json=as_json)
         out.flush()
     except SQLAlchemyError as exc:

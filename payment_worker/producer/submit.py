@@ -22,10 +22,8 @@ broker message.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -34,16 +32,15 @@ import redis
 from sqlalchemy.exc import SQLAlchemyError
 
 from payment_worker.db import batches as db
-from payment_worker.db.engine import get_engine
 from payment_worker.domain import batch_schema as schemas
-from payment_worker.ops.logging import configure_logging, get_logger
+from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     BATCHES_SUBMITTED,
     ENQUEUE_FAILURES,
     SUBMIT_DUPLICATES,
 )
-from payment_worker.services import redis_url
-from payment_worker.settings import Settings, get_settings
+from payment_worker.runtime import Runtime
+from payment_worker.runtime import current as current_runtime
 
 log = get_logger("producer")
 
@@ -72,7 +69,7 @@ class SubmitResult:
 def submit_batch(
     batch: Mapping[str, Any] | str | bytes,
     *,
-    settings: Settings | None = None,
+    runtime: Runtime | None = None,
     enqueue: bool = True,
 ) -> SubmitResult:
     """Validate and submit one batch (a decoded JSON object, or its JSON text).
@@ -84,11 +81,11 @@ def submit_batch(
     published and the sweeper picks the batch up. Database errors propagate: the batch
     was then not submitted.
     """
-    result, _ = _submit(batch, settings or get_settings(), enqueue=enqueue)
+    result, _ = _submit(batch, runtime or current_runtime(), enqueue=enqueue)
     return result
 
 
-def _submit(raw: object, s: Settings, *, enqueue: bool) -> tuple[SubmitResult, bool]:
+def _submit(raw: object, rt: Runtime, *, enqueue: bool) -> tuple[SubmitResult, bool]:
     """One submission of anything (JSON text, or a decoded JSON value of any type); the bool
     says whether a publish was tried and failed."""
     data: Any
@@ -105,6 +102,7 @@ def _submit(raw: object, s: Settings, *, enqueue: bool) -> tuple[SubmitResult, b
     batch_id = batch_id if isinstance(batch_id, str) else None
     raw_items = data.get("items") if isinstance(data, dict) else None
     count = len(raw_items) if isinstance(raw_items, list) else 0
+    s = rt.settings
     try:
         batch = schemas.parse_batch(data, max_items=s.max_items_per_batch, max_amount=s.max_amount)
     except schemas.InvalidBatch as exc:
@@ -117,7 +115,7 @@ def _submit(raw: object, s: Settings, *, enqueue: bool) -> tuple[SubmitResult, b
         batch.account_id,
         [(r.transaction_id, f) for r, f in zip(requests, item_fps, strict=True)],
     )
-    window = _DedupWindow(s)
+    window = _DedupWindow(rt)
     if window.seen(batch.batch_id, fp):
         SUBMIT_DUPLICATES.labels(layer="redis").inc()
         return _counted(SubmitResult(batch.batch_id, "duplicate", count)), False
@@ -139,8 +137,7 @@ def _submit(raw: object, s: Settings, *, enqueue: bool) -> tuple[SubmitResult, b
             for r, item_fp in zip(requests, item_fps, strict=True)
         ],
     )
-    engine = get_engine(s)
-    outcome = db.insert_batch(engine, new)
+    outcome = db.insert_batch(rt.engine, new)
     if outcome.status == "conflict":
         msg = f"batch_id {batch.batch_id!r} already exists with different content"
         return _rejected(batch.batch_id, count, [{"path": "$.batch_id", "message": msg}]), False
@@ -177,7 +174,7 @@ def _counted(result: SubmitResult) -> SubmitResult:
 
 def _enqueue(batch_id: str) -> bool:
     """Publish the batch id; False (logged, counted) when the broker cannot take it."""
-    from payment_worker.worker.tasks import enqueue_batch  # imports Celery: only when publishing
+    from payment_worker.worker.queueing import enqueue_batch  # imports Celery: only when publishing
 
     try:
         enqueue_batch(batch_id)
@@ -196,24 +193,11 @@ def _enqueue(batch_id: str) -> bool:
 class _DedupWindow:
     """The Redis layer: batch_id → content fingerprint, for ``DEDUP_WINDOW_SECONDS``."""
 
-    _clients: dict[tuple[int, str], redis.Redis] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, s: Settings) -> None:
-        self._ttl = s.dedup_window_seconds
-        self._prefix = f"{s.redis_key_prefix}:submit:"
-        self._client = self._client_for(redis_url(s))
-
-    @classmethod
-    def _client_for(cls, url: str) -> redis.Redis:
-        key = (os.getpid(), url)
-        with cls._lock:
-            client = cls._clients.get(key)
-            if client is None:
-                # short timeouts: a slow Redis must not stall submission, Postgres decides
-                client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-                cls._clients[key] = client
-            return client
+    def __init__(self, rt: Runtime) -> None:
+        self._ttl = rt.settings.dedup_window_seconds
+        self._prefix = f"{rt.settings.redis_key_prefix}:submit:"
+        # short timeouts: a slow Redis must not stall submission, Postgres decides
+        self._client = rt.dedup_redis
 
     def seen(self, batch_id: str, fp: str) -> bool:
         """True when this batch_id was saved with this very content within the window."""
@@ -290,7 +274,7 @@ def _try_line(line: str) -> Any:
         return None
 
 
-def cli_submit(source: str) -> int:
+def cli_submit(source: str, make_runtime: Callable[[], Runtime]) -> int:
     """``payment-worker submit FILE|-``: one JSON line per batch on stdout.
 
     Exit code 0 when every batch was accepted or duplicate; 2 when any was rejected or the
@@ -298,8 +282,6 @@ def cli_submit(source: str) -> int:
     tried). After one failed publish the remaining batches are not published: they are
     saved as pending and the sweeper enqueues them.
     """
-    s = get_settings()
-    configure_logging(s.log_level, s.log_json)  # logs to stderr; stdout is the JSON lines
     try:
         documents = list(iter_documents(_read(source)))
     except InputError as exc:
@@ -308,6 +290,7 @@ def cli_submit(source: str) -> int:
     if not documents:
         print("payment-worker submit: the input holds no batch", file=sys.stderr)
         return 2
+    rt = make_runtime()  # after the input was read: a bad file needs no database
     rc = 0
     enqueue = True
     for doc in documents:
@@ -315,7 +298,7 @@ def cli_submit(source: str) -> int:
             result = _rejected(None, 0, [{"path": "$", "message": str(doc)}])
         else:
             try:
-                result, failed = _submit(doc, s, enqueue=enqueue)
+                result, failed = _submit(doc, rt, enqueue=enqueue)
             except SQLAlchemyError as exc:
                 where = doc.get("batch_id") if isinstance(doc, dict) else None
                 print(

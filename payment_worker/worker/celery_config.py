@@ -1,86 +1,85 @@
-"""Celery configuration, loaded lazily on the app's first use (so importing the package starts
-no server). Every reliability setting is deliberate; tests/unit/test_celery_config.py pins them.
+"""Celery's configuration, built from the settings when Celery first needs it (so importing the
+package starts no server). Every reliability setting is deliberate; tests/unit/test_celery_config.py
+pins them.
 """
 
 from __future__ import annotations
 
-import sys
+from typing import Any
 
 from kombu import Exchange, Queue
 
-from payment_worker.embedded import EmbeddedError
-from payment_worker.services import broker_url as _broker_url
-from payment_worker.services import require_servers
-from payment_worker.settings import SettingsError, get_settings
+from payment_worker.settings import Settings
 
-_s = get_settings()
 
-try:
-    require_servers(_s)
-    broker_url = _broker_url(_s)
-except EmbeddedError as _exc:
-    # celery worker/beat: the same one line and exit code 2 as the payment-worker command
-    print(f"payment-worker: {_exc}", file=sys.stderr)
-    raise SettingsError(2) from None
-# Postgres is the source of truth for outcomes; Celery results would only be a second copy.
-task_ignore_result = True
-result_backend = None
-
-# Ack only after the task has run: a worker that dies mid-batch leaves the message to be
-# redelivered, and the batch resumes from Postgres state (the work is idempotent).
-task_acks_late = True
-# A child killed by SIGKILL/OOM must requeue its message, not ack it as failed.
-task_reject_on_worker_lost = True
-# One message reserved per process: a slow batch never hides others behind it.
-worker_prefetch_multiplier = 1
-# The Redis transport redelivers an unacked message after the visibility timeout. It must be
-# larger than the longest task and any countdown/ETA, or a running or delayed batch would be
-# delivered twice. The same value for the result transport, so the two never disagree.
-broker_transport_options = {
-    "visibility_timeout": _s.visibility_timeout,
-    "socket_timeout": 10,
-    "socket_connect_timeout": 5,
-    "health_check_interval": 10,
-}
-result_backend_transport_options = {"visibility_timeout": _s.visibility_timeout}
-# Hard limits below the visibility timeout: a stuck task is killed (and its message rejected
-# and redelivered) before the broker would redeliver it behind its back.
-task_time_limit = _s.task_time_limit
-task_soft_time_limit = _s.task_soft_time_limit
-# On a lost broker connection, cancel running acks_late tasks: their messages will be
-# redelivered anyway, and running on would let two workers hold the same batch.
-worker_cancel_long_running_tasks_on_connection_loss = True
-broker_connection_retry_on_startup = True
-# Publishing must fail fast when the broker is down: the producer has already persisted the
-# batch, and the sweeper will enqueue it later.
-broker_connection_timeout = 5
-task_publish_retry_policy = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2}
-
-task_queues = (
-    Queue("payments", Exchange("payments"), routing_key="payments"),
-    Queue("dlq", Exchange("dlq"), routing_key="dlq"),
-)
-task_default_queue = "payments"
-task_default_exchange = "payments"
-task_default_routing_key = "payments"
-task_routes = {
-    "payment_worker.process_account_batch": {"queue": "payments", "routing_key": "payments"},
-    "payment_worker.sweep": {"queue": "payments", "routing_key": "payments"},
-    "payment_worker.dlq.*": {"queue": "dlq", "routing_key": "dlq"},
-}
-task_serializer = "json"
-accept_content = ["json"]
-worker_hijack_root_logger = False
-# Recycle a child now and then, so a slow leak can never grow without bound.
-worker_max_tasks_per_child = 2000
-worker_send_task_events = True
-task_send_sent_event = True
-
-beat_schedule = {
-    "sweep": {
-        "task": "payment_worker.sweep",
-        "schedule": _s.sweeper_interval,
-        # an old sweep message is useless: the next tick sends a fresh one
-        "options": {"expires": max(_s.sweeper_interval * 2, 5.0)},
-    },
-}
+def build_config(s: Settings, broker_url: str) -> dict[str, Any]:
+    """The Celery settings of the service, for the broker at ``broker_url``."""
+    return {
+        "broker_url": broker_url,
+        # Postgres is the source of truth for outcomes; Celery results would only be a second copy.
+        "task_ignore_result": True,
+        "result_backend": None,
+        # Ack only after the task has run: a worker that dies mid-batch leaves the message to be
+        # redelivered, and the batch resumes from Postgres state (the work is idempotent).
+        "task_acks_late": True,
+        # A child killed by SIGKILL/OOM must requeue its message, not ack it as failed.
+        "task_reject_on_worker_lost": True,
+        # One message reserved per process: a slow batch never hides others behind it.
+        "worker_prefetch_multiplier": 1,
+        # The Redis transport redelivers an unacked message after the visibility timeout. It must be
+        # larger than the longest task and any countdown/ETA, or a running or delayed batch would be
+        # delivered twice. The same value for the result transport, so the two never disagree.
+        "broker_transport_options": {
+            "visibility_timeout": s.visibility_timeout,
+            "socket_timeout": 10,
+            "socket_connect_timeout": 5,
+            "health_check_interval": 10,
+        },
+        "result_backend_transport_options": {"visibility_timeout": s.visibility_timeout},
+        # Hard limits below the visibility timeout: a stuck task is killed (and its message rejected
+        # and redelivered) before the broker would redeliver it behind its back.
+        "task_time_limit": s.task_time_limit,
+        "task_soft_time_limit": s.task_soft_time_limit,
+        # On a lost broker connection, cancel running acks_late tasks: their messages will be
+        # redelivered anyway, and running on would let two workers hold the same batch.
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "broker_connection_retry_on_startup": True,
+        # Publishing must fail fast when the broker is down: the producer has already persisted the
+        # batch, and the sweeper will enqueue it later.
+        "broker_connection_timeout": 5,
+        "task_publish_retry_policy": {
+            "max_retries": 2,
+            "interval_start": 0.1,
+            "interval_step": 0.2,
+        },
+        "task_queues": (
+            Queue("payments", Exchange("payments"), routing_key="payments"),
+            Queue("dlq", Exchange("dlq"), routing_key="dlq"),
+        ),
+        "task_default_queue": "payments",
+        "task_default_exchange": "payments",
+        "task_default_routing_key": "payments",
+        "task_routes": {
+            "payment_worker.process_account_batch": {
+                "queue": "payments",
+                "routing_key": "payments",
+            },
+            "payment_worker.sweep": {"queue": "payments", "routing_key": "payments"},
+            "payment_worker.dlq.*": {"queue": "dlq", "routing_key": "dlq"},
+        },
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "worker_hijack_root_logger": False,
+        # Recycle a child now and then, so a slow leak can never grow without bound.
+        "worker_max_tasks_per_child": 2000,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "beat_schedule": {
+            "sweep": {
+                "task": "payment_worker.sweep",
+                "schedule": s.sweeper_interval,
+                # an old sweep message is useless: the next tick sends a fresh one
+                "options": {"expires": max(s.sweeper_interval * 2, 5.0)},
+            },
+        },
+    }

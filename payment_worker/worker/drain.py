@@ -9,28 +9,21 @@ one delayed message per account.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from dataclasses import dataclass, field
 
-import redis
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection
 
 from payment_worker.db import work as repo
-from payment_worker.db.engine import get_engine
 from payment_worker.domain.payment_request import PaymentRequest
-from payment_worker.domain.retry import Backoff
 from payment_worker.domain.transitions import (
     FINGERPRINT_MISMATCH,
     TERMINAL,
     Decision,
-    Policy,
     after_lookup,
     after_send,
 )
 from payment_worker.errors import FencedOut, LockLost
-from payment_worker.gateway.client import GatewayClient
 from payment_worker.locks.account_lock import AccountLock
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
@@ -42,62 +35,10 @@ from payment_worker.ops.metrics import (
     TRANSACTION_RETRIES,
     TRANSACTIONS_FINISHED,
 )
-from payment_worker.services import redis_url
-from payment_worker.settings import Settings, get_settings
+from payment_worker.runtime import Runtime
+from payment_worker.worker import queueing
 
 log = get_logger("processing")
-
-
-@dataclass
-class Resources:
-    """The per-process clients the processing loop shares between threads."""
-
-    settings: Settings
-    engine: Engine
-    redis: redis.Redis
-    gateway: GatewayClient
-
-    @property
-    def policy(self) -> Policy:
-        """Retry limits and timing from the settings."""
-        s = self.settings
-        return Policy(
-            max_attempts=s.retry_max_attempts,
-            max_lookups=s.lookup_max_attempts,
-            backoff=Backoff(base=s.retry_base_delay, cap=s.retry_max_delay),
-        )
-
-    def key(self, kind: str, account_id: str) -> str:
-        """A Redis key of the account; the hash tag keeps an account's keys in one slot."""
-        return f"{self.settings.redis_key_prefix}:{kind}:{{{account_id}}}"
-
-
-_res_lock = threading.Lock()
-_resources: dict[int, Resources] = {}
-
-
-def resources() -> Resources:
-    """This process's clients, created on first use (a forked child gets its own)."""
-    pid = os.getpid()
-    res = _resources.get(pid)
-    if res is None:
-        with _res_lock:
-            res = _resources.get(pid)
-            if res is None:
-                s = get_settings()
-                r = redis.Redis.from_url(redis_url(s), health_check_interval=10)
-                res = Resources(s, get_engine(s), r, GatewayClient(s, r))
-                _resources.clear()
-                _resources[pid] = res
-    return res
-
-
-def reset_resources() -> None:
-    """Forget this process's clients (tests, or after settings change)."""
-    with _res_lock:
-        for res in _resources.values():
-            res.gateway.close()
-        _resources.clear()
 
 
 @dataclass
@@ -112,9 +53,8 @@ class DrainReport:
     handed_off: bool = False
 
 
-def run_batch_task(batch_id: str) -> DrainReport:
+def run_batch_task(batch_id: str, res: Runtime) -> DrainReport:
     """The body of the ``process_account_batch`` task."""
-    res = resources()
     with res.engine.connect() as conn:
         account_id = repo.account_of_batch(conn, batch_id)
     if account_id is None:
@@ -124,16 +64,15 @@ def run_batch_task(batch_id: str) -> DrainReport:
     return run_account(account_id, batch_id, res)
 
 
-def run_account(account_id: str, batch_id: str, res: Resources | None = None) -> DrainReport:
+def run_account(account_id: str, batch_id: str, res: Runtime) -> DrainReport:
     """Drain the account's due work if its lock is free; otherwise leave a mark and return."""
-    res = res or resources()
     waiting = res.key("waiting", account_id)
     # mark before trying the lock: the holder checks the mark after it releases, so work
     # announced here is either seen by the holder or finds the lock free
     res.redis.set(waiting, batch_id, px=res.settings.lock_ttl_ms * 4)
     report = DrainReport(account_id)
     while True:
-        lock = AccountLock(res.redis, account_id, engine=res.engine)
+        lock = res.account_lock(account_id)
         if not lock.acquire(blocking=False):
             if report.result == "idle":
                 report.result = "contended"
@@ -148,7 +87,7 @@ def run_account(account_id: str, batch_id: str, res: Resources | None = None) ->
             lock.release()
             BATCH_SECONDS.observe(time.monotonic() - started)
         if report.handed_off:
-            _hand_off(res, account_id, batch_id)
+            queueing.hand_off(account_id, batch_id)
             break
         if report.result in ("lock_lost", "fenced_out"):
             break
@@ -167,7 +106,7 @@ def run_account(account_id: str, batch_id: str, res: Resources | None = None) ->
     return report
 
 
-def _drain(res: Resources, lock: AccountLock, batch_id: str, report: DrainReport) -> None:
+def _drain(res: Runtime, lock: AccountLock, batch_id: str, report: DrainReport) -> None:
     s = res.settings
     account_id = report.account_id
     token = lock.fence_token
@@ -200,7 +139,7 @@ def _drain(res: Resources, lock: AccountLock, batch_id: str, report: DrainReport
                 if wait <= s.hold_wait_max_seconds and time.monotonic() + wait < deadline:
                     _sleep_holding(lock, wait)
                     continue
-                _schedule(res, account_id, batch_id, wait, report)
+                report.scheduled_in = queueing.schedule(res, account_id, batch_id, wait)
                 return
         except LockLost as exc:
             report.result = "lock_lost"
@@ -208,19 +147,6 @@ def _drain(res: Resources, lock: AccountLock, batch_id: str, report: DrainReport
         except FencedOut as exc:
             report.result = "fenced_out"
             log.warning("fenced_out", account_id=account_id, reason=str(exc))
-
-
-def _hand_off(res: Resources, account_id: str, batch_id: str) -> None:
-    """End of a slice: the account goes back to the queue (after the lock is released, so the
-    next execution finds it free), and any free worker in any process continues it while
-    other accounts get their turn."""
-    from payment_worker.worker.tasks import enqueue_batch
-
-    try:
-        enqueue_batch(batch_id)
-    except Exception as exc:
-        # broker down: the sweeper re-enqueues stalled accounts
-        log.warning("hand_off_failed", account_id=account_id, error=repr(exc))
 
 
 def _sleep_holding(lock: AccountLock, seconds: float) -> None:
@@ -233,29 +159,8 @@ def _sleep_holding(lock: AccountLock, seconds: float) -> None:
         time.sleep(min(left, 0.1))
 
 
-def _schedule(
-    res: Resources, account_id: str, batch_id: str, wait: float, report: DrainReport
-) -> None:
-    """One delayed message per account for work that is not due yet."""
-    from payment_worker.worker.tasks import enqueue_batch
-
-    # a countdown must stay below the broker's visibility timeout (or the message would be
-    # redelivered while still waiting); if a Retry-After is longer, the task runs early, finds
-    # nothing due and schedules again
-    wait = min(max(wait, 0.0), res.settings.visibility_timeout * 0.5)
-    report.scheduled_in = wait
-    marker = res.key("scheduled", account_id)
-    # the marker outlives the countdown a little; the sweeper covers a lost delayed message
-    if res.redis.set(marker, batch_id, nx=True, px=int((wait + 5.0) * 1000)):
-        try:
-            enqueue_batch(batch_id, countdown=wait or None)
-        except Exception as exc:
-            res.redis.delete(marker)
-            log.warning("schedule_failed", account_id=account_id, error=repr(exc))
-
-
 def _process_chunk(
-    res: Resources,
+    res: Runtime,
     conn: Connection,
     lock: AccountLock,
     token: int,
@@ -299,7 +204,7 @@ def _outcome(item: repo.ClaimedItem, d: Decision, attempts: int, lookups: int) -
     )
 
 
-def _process_item(res: Resources, lock: AccountLock, item: repo.ClaimedItem) -> repo.Outcome:
+def _process_item(res: Runtime, lock: AccountLock, item: repo.ClaimedItem) -> repo.Outcome:
     request = PaymentRequest(
         account_id=item.account_id,
         transaction_id=item.transaction_id,

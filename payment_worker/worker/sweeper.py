@@ -19,14 +19,14 @@ from payment_worker.db import work as repo
 from payment_worker.locks.account_lock import lock_is_held
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import SWEEP_REENQUEUED, SWEEPS
-from payment_worker.worker.drain import Resources, resources
+from payment_worker.runtime import Runtime
+from payment_worker.worker.queueing import enqueue_batch
 
 log = get_logger("sweeper")
 
 
-def run_sweep(res: Resources | None = None) -> dict[str, Any]:
+def run_sweep(res: Runtime) -> dict[str, Any]:
     """One sweeper pass, under a Redis lock so two beats never overlap; returns a summary."""
-    res = res or resources()
     s = res.settings
     # redis-py's Lock: owner token, Lua release; the timeout bounds a crashed sweeper
     guard = res.redis.lock(
@@ -47,9 +47,7 @@ def run_sweep(res: Resources | None = None) -> dict[str, Any]:
             log.warning("sweeper_lock_expired", seconds=time.monotonic() - started)
 
 
-def _sweep(res: Resources) -> dict[str, Any]:
-    from payment_worker.worker.tasks import enqueue_batch
-
+def _sweep(res: Runtime) -> dict[str, Any]:
     s = res.settings
     with res.engine.connect() as conn:
         stalled = repo.stalled_accounts(conn, s.sweeper_stale_after)

@@ -1,34 +1,21 @@
-"""Thin Celery tasks: the logic lives in processing.py and sweeper.py."""
+"""Thin Celery tasks: the logic lives in the drain loop and the sweeper."""
 
 from __future__ import annotations
 
+from payment_worker import runtime
 from payment_worker.worker.celery_app import app
-
-PROCESS_TASK = "payment_worker.process_account_batch"
+from payment_worker.worker.drain import run_batch_task
+from payment_worker.worker.queueing import PROCESS_TASK, SWEEP_TASK
+from payment_worker.worker.sweeper import run_sweep
 
 
 @app.task(name=PROCESS_TASK, bind=False)
 def process_account_batch(batch_id: str) -> None:
     """Take one account's batch through the state machine (queue ``payments``)."""
-    from payment_worker.worker.drain import run_batch_task
-
-    run_batch_task(batch_id)
+    run_batch_task(batch_id, runtime.current())
 
 
-@app.task(name="payment_worker.sweep")
+@app.task(name=SWEEP_TASK)
 def sweep() -> None:
     """Beat's periodic repair: re-enqueue stalled batches, resolve stuck items."""
-    from payment_worker.worker.sweeper import run_sweep
-
-    run_sweep()
-
-
-def enqueue_batch(batch_id: str, countdown: float | None = None) -> None:
-    """Publish one ``process_account_batch`` message carrying only the batch id.
-
-    Raises the broker's error when it is unreachable; callers that have persisted the batch
-    already may ignore it, because the sweeper enqueues pending batches.
-    """
-    process_account_batch.apply_async(
-        args=[batch_id], queue="payments", routing_key="payments", countdown=countdown
-    )
+    run_sweep(runtime.current())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from payment_worker.db.engine import get_engine
+from payment_worker import runtime
 from payment_worker.db.work import open_counts
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.reconcile import reconcile
@@ -134,7 +134,7 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
             w.signal(signal.SIGCONT)
 
     assert _terminal(counts) == total, f"not all terminal within {bound}s: {counts}"
-    with get_engine().connect() as conn:
+    with runtime.current().engine.connect() as conn:
         rec = reconcile(conn, ledger)
     assert not rec.double_paid, rec.summary()
     assert rec.ok, rec.summary()
@@ -162,5 +162,5 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
 
 
 def open_counts_now() -> dict[str, int]:
-    with get_engine().connect() as conn:
+    with runtime.current().engine.connect() as conn:
         return open_counts(conn)

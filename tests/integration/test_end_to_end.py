@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from payment_worker.db.engine import get_engine
+from payment_worker import runtime
 from payment_worker.db.work import open_counts
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.reconcile import reconcile
@@ -19,7 +19,7 @@ def wait_terminal(total: int, timeout: float) -> dict[str, int]:
     deadline = time.monotonic() + timeout
     counts: dict[str, int] = {}
     while time.monotonic() < deadline:
-        with get_engine().connect() as conn:
+        with runtime.current().engine.connect() as conn:
             counts = open_counts(conn)
         if sum(counts.get(s, 0) for s in ("succeeded", "failed", "dead")) >= total:
             return counts
@@ -48,7 +48,7 @@ def test_100_batches_x_20_items_over_10_accounts(pw_env: PwEnv, tmp_path: Path) 
         ledger = cluster.ledger()
     assert counts.get("succeeded", 0) + counts.get("failed", 0) == 2000, counts
     assert counts.get("failed", 0) == 2000 // 97  # exactly the REJECT beneficiaries
-    with get_engine().connect() as conn:
+    with runtime.current().engine.connect() as conn:
         rec = reconcile(conn, ledger)
     assert rec.ok, rec.summary()
     sent = list(ledger["sends"].values())

@@ -17,7 +17,7 @@ from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.gateway import GatewayClient, Outcome
 from payment_worker.settings import Settings
 from tests.conftest import PwEnv
-from tests.sim_fixtures import SimHandle
+from tests.sim_fixtures import SimHandle, gateway_client
 
 ACCT = "acct-1"
 
@@ -41,7 +41,7 @@ def make_settings(**overrides: Any) -> Settings:
 
 @pytest.fixture
 def client(pw_env: PwEnv, gateway_sim: SimHandle) -> Iterator[GatewayClient]:
-    c = GatewayClient(make_settings(gateway_read_timeout=0.5))
+    c = gateway_client(make_settings(gateway_read_timeout=0.5))
     yield c
     c.close()
 
@@ -90,18 +90,20 @@ def test_422_permanent_on_same_key_other_body(client: GatewayClient) -> None:
     )
 
 
-def test_409_retry_while_the_same_key_is_in_flight(
-    client: GatewayClient, gateway_sim: SimHandle
-) -> None:
+def test_409_retry_while_the_same_key_is_in_flight(pw_env: PwEnv, gateway_sim: SimHandle) -> None:
+    client = gateway_client(make_settings(gateway_read_timeout=5.0))
     assert client.lookup_payment(ACCT, "pw1-warm").outcome is Outcome.NOT_FOUND  # token ready
-    gateway_sim.configure(max_in_flight=5, latency_ms=400)
+    # a wide window: on a loaded machine the first request must still be in flight (1.5 s at
+    # the gateway) when the second arrives, 0.5 s after the first was sent
+    gateway_sim.configure(max_in_flight=5, latency_ms=1500)
     p = tx()
     results: list[Any] = []
     t = threading.Thread(target=lambda: results.append(create(client, p)))
     t.start()
-    time.sleep(0.15)
+    time.sleep(0.5)
     second = create(client, p)
     t.join()
+    client.close()
     assert results[0].outcome is Outcome.SUCCEEDED
     assert (second.outcome, second.http_status) == (Outcome.RETRY, 409)
     assert gateway_sim.ledger()["payments_sent"] == 1
@@ -174,7 +176,7 @@ def test_connection_refused_is_retry(pw_env: PwEnv) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nobody listens there
-    c = GatewayClient(make_settings(gateway_url=f"http://127.0.0.1:{port}"))
+    c = gateway_client(make_settings(gateway_url=f"http://127.0.0.1:{port}"))
     r = create(c, tx())
     c.close()
     # the token request could not connect: nothing was sent
@@ -215,7 +217,7 @@ def test_401_twice_is_retry(client: GatewayClient, gateway_sim: SimHandle) -> No
 
 
 def test_wrong_secret_is_retry_and_sends_nothing(pw_env: PwEnv, gateway_sim: SimHandle) -> None:
-    c = GatewayClient(make_settings(gateway_client_secret=SecretStr("wrong")))
+    c = gateway_client(make_settings(gateway_client_secret=SecretStr("wrong")))
     r = create(c, tx())
     c.close()
     assert (r.outcome, r.http_status, r.reason) == (Outcome.RETRY, 401, "token_invalid_client")
@@ -223,7 +225,7 @@ def test_wrong_secret_is_retry_and_sends_nothing(pw_env: PwEnv, gateway_sim: Sim
 
 
 def test_pacing_keeps_an_account_under_its_quota(pw_env: PwEnv, gateway_sim: SimHandle) -> None:
-    c = GatewayClient(make_settings(gateway_rate_overrides={ACCT: 5.0}))
+    c = gateway_client(make_settings(gateway_rate_overrides={ACCT: 5.0}))
     # warm up: tokens and connections, so that only pacing is timed
     assert create(c, tx("warm-1")).outcome is create(c, tx("warm-2", account="acct-2")).outcome
     time.sleep(0.3)
@@ -243,7 +245,7 @@ def test_pacing_keeps_an_account_under_its_quota(pw_env: PwEnv, gateway_sim: Sim
 def test_pacing_wait_longer_than_allowed_returns_retry_without_sending(
     pw_env: PwEnv, gateway_sim: SimHandle
 ) -> None:
-    c = GatewayClient(make_settings(gateway_pacing_max_wait=0.5))
+    c = gateway_client(make_settings(gateway_pacing_max_wait=0.5))
     c.pacer.cooldown(ACCT, 5.0)
     start = time.monotonic()
     r = create(c, tx())
@@ -275,7 +277,7 @@ def test_tokens_are_refreshed_ahead_of_expiry_without_401(
     pw_env: PwEnv, gateway_sim: SimHandle
 ) -> None:
     gateway_sim.configure(token_ttl=1.0)
-    c = GatewayClient(make_settings(gateway_token_refresh_fraction=0.3))
+    c = gateway_client(make_settings(gateway_token_refresh_fraction=0.3))
     deadline = time.monotonic() + 2.6
     i = 0
     while time.monotonic() < deadline:

@@ -10,11 +10,11 @@ import pytest
 import redis
 
 from payment_worker.domain.payment_request import PaymentRequest
-from payment_worker.gateway import GatewayClient, Outcome
+from payment_worker.gateway import Outcome
 from payment_worker.gateway.pacing import Pacer
 from payment_worker.settings import Settings
 from tests.conftest import PwEnv
-from tests.sim_fixtures import SimHandle, run_bursts
+from tests.sim_fixtures import SimHandle, gateway_client, run_bursts
 
 
 def tx(account: str, tx_id: str) -> PaymentRequest:
@@ -34,7 +34,7 @@ def test_429_retry_after_holds_every_process_and_only_that_account(
     # coordinated by an account lock, so two requests paced 50 ms apart may still overlap at
     # the gateway when one waits longer for its first connection (seen on a loaded machine)
     gateway_sim.configure(max_in_flight=10)
-    client = GatewayClient(Settings())
+    client = gateway_client(Settings())
     # tokens for both accounts first, so that the timing below is pacing only
     for acct in ("acct-a", "acct-b"):
         assert client.lookup_payment(acct, "pw1-warm").outcome is Outcome.NOT_FOUND

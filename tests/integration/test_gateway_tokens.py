@@ -17,7 +17,7 @@ from payment_worker.gateway import GatewayClient, Outcome
 from payment_worker.gateway.tokens import TokenManager
 from payment_worker.settings import Settings
 from tests.conftest import PwEnv
-from tests.sim_fixtures import SimHandle, run_bursts
+from tests.sim_fixtures import SimHandle, gateway_client, run_bursts
 
 ACCT = "acct-s"
 THREADS_PER_PROCESS = [13, 13, 12, 12]  # 50 threads in 4 processes
@@ -40,7 +40,7 @@ def busy_account(
     """An account that allows 50 concurrent requests, on both sides; a client in this process."""
     gateway_sim.configure(max_in_flight=100, rate=1000, latency_ms=20, latency_jitter_ms=10)
     monkeypatch.setenv("GATEWAY_RATE_OVERRIDES", json.dumps({ACCT: 1000}))
-    c = GatewayClient(Settings())
+    c = gateway_client(Settings())
     yield c
     c.close()
 

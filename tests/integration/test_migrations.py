@@ -66,9 +66,9 @@ def test_models_match_the_migrations(pw_env: PwEnv) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from payment_worker.db.engine import get_engine
+    from payment_worker import runtime
     from payment_worker.db.models import metadata
 
-    with get_engine().connect() as conn:
+    with runtime.current().engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), metadata)
     assert diff == []

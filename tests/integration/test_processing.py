@@ -8,10 +8,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from payment_worker.db.engine import get_engine
+from payment_worker import runtime
 from payment_worker.dev.reconcile import reconcile
 from payment_worker.dev.samples import make_batches
-from payment_worker.locks.account_lock import AccountLock
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker import drain as processing
 from tests.conftest import PwEnv
@@ -21,17 +20,14 @@ from tests.sim_fixtures import SimHandle
 @pytest.fixture
 def res(
     pw_env: PwEnv, gateway_sim: SimHandle, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[processing.Resources]:
+) -> Iterator[runtime.Runtime]:
     monkeypatch.setenv("RETRY_BASE_DELAY", "0.05")
     monkeypatch.setenv("RETRY_MAX_DELAY", "0.2")
     monkeypatch.setenv("HOLD_WAIT_MAX_SECONDS", "1.0")
     monkeypatch.setenv("GATEWAY_READ_TIMEOUT", "0.5")
-    from payment_worker.settings import get_settings
-
-    get_settings.cache_clear()
-    processing.reset_resources()
-    yield processing.resources()
-    processing.reset_resources()
+    runtime.reset()  # rebuilt from the settings above
+    yield runtime.current()
+    runtime.reset()
 
 
 def _submit(batches: list[dict[str, Any]]) -> None:
@@ -45,7 +41,7 @@ def _statuses(db_conn: psycopg.Connection) -> dict[str, int]:  # type: ignore[ty
 
 
 def test_drains_every_batch_of_the_account(
-    res: processing.Resources,
+    res: runtime.Runtime,
     gateway_sim: SimHandle,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
@@ -56,7 +52,7 @@ def test_drains_every_batch_of_the_account(
     assert _statuses(db_conn) == {"succeeded": 81, "failed": 9}
     done = db_conn.execute("SELECT count(*) FROM batches WHERE status = 'completed'").fetchone()
     assert done == (3,)
-    with get_engine().connect() as conn:
+    with runtime.current().engine.connect() as conn:
         rec = reconcile(conn, gateway_sim.ledger())
     assert rec.ok, rec.summary()
     # declined items carry the reason; succeeded ones the gateway payment id
@@ -72,12 +68,12 @@ def test_drains_every_batch_of_the_account(
 
 
 def test_contended_task_leaves_a_mark_and_the_holder_drains_it(
-    res: processing.Resources,
+    res: runtime.Runtime,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
     first = make_batches(batches=1, items=5, accounts=1, prefix="c1")
     _submit(first)
-    holder = AccountLock(res.redis, "acct-0000", engine=res.engine)
+    holder = res.account_lock("acct-0000")
     assert holder.acquire()
     try:
         second = make_batches(batches=1, items=5, accounts=1, prefix="c2")
@@ -94,7 +90,7 @@ def test_contended_task_leaves_a_mark_and_the_holder_drains_it(
 
 
 def test_transient_errors_retry_then_dead_letter(
-    res: processing.Resources,
+    res: runtime.Runtime,
     gateway_sim: SimHandle,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
     monkeypatch: pytest.MonkeyPatch,
@@ -111,7 +107,7 @@ def test_transient_errors_retry_then_dead_letter(
 
 
 def test_lost_responses_resolved_by_lookup_never_paid_twice(
-    res: processing.Resources,
+    res: runtime.Runtime,
     gateway_sim: SimHandle,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
@@ -129,7 +125,7 @@ def test_lost_responses_resolved_by_lookup_never_paid_twice(
 
 
 def test_crash_between_intent_and_outcome_is_looked_up(
-    res: processing.Resources,
+    res: runtime.Runtime,
     gateway_sim: SimHandle,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
@@ -138,7 +134,7 @@ def test_crash_between_intent_and_outcome_is_looked_up(
     batches = make_batches(batches=1, items=3, accounts=1, prefix="x")
     _submit(batches)
     # a holder records intent, then "crashes" before any outcome is written
-    lock = AccountLock(res.redis, "acct-0000", engine=res.engine)
+    lock = res.account_lock("acct-0000")
     assert lock.acquire()
     with res.engine.connect() as c:
         conn = c.execution_options(isolation_level="AUTOCOMMIT")
@@ -162,7 +158,7 @@ def test_crash_between_intent_and_outcome_is_looked_up(
 
 
 def test_old_holder_is_fenced_out(
-    res: processing.Resources,
+    res: runtime.Runtime,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
     from payment_worker.db import work as repo
@@ -196,7 +192,7 @@ def test_old_holder_is_fenced_out(
 
 
 def test_a_long_drain_hands_the_account_back_to_the_queue(
-    res: processing.Resources,
+    res: runtime.Runtime,
     pw_env: PwEnv,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
     monkeypatch: pytest.MonkeyPatch,
@@ -212,7 +208,7 @@ def test_a_long_drain_hands_the_account_back_to_the_queue(
     # one slice, then the lock is free and one continuation message waits in the broker
     assert report.handed_off and report.items == 5
     assert broker.llen("payments") == 1
-    lock = AccountLock(res.redis, "acct-0000", engine=res.engine)
+    lock = res.account_lock("acct-0000")
     assert lock.acquire()
     lock.release()
     for _ in range(10):

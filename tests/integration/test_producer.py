@@ -12,9 +12,8 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from payment_worker import submit_batch
+from payment_worker import runtime, submit_batch
 from payment_worker.db import batches as db
-from payment_worker.db.engine import get_engine
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.producer.submit import SubmitResult
 from tests.conftest import PwEnv
@@ -187,11 +186,11 @@ def test_enqueue_false_persists_and_leaves_it_to_the_sweeper(
     assert submit_batch(make_batch("b-1"), enqueue=False).status == "accepted"
     assert submit_batch(make_batch("b-2", tx="other"), enqueue=False).status == "accepted"
     assert broker_messages(pw_env) == []
-    with get_engine().connect() as conn:
+    with runtime.current().engine.connect() as conn:
         assert db.pending_batch_ids(conn) == ["b-1", "b-2"]
         assert db.pending_batch_ids(conn, limit=1) == ["b-1"]
     db_conn.execute("UPDATE batches SET status = 'completed' WHERE batch_id = 'b-1'")
-    with get_engine().connect() as conn:
+    with runtime.current().engine.connect() as conn:
         assert db.pending_batch_ids(conn) == ["b-2"]
 
 
@@ -199,8 +198,12 @@ def test_unreachable_redis_only_costs_the_fast_path(
     pw_env: PwEnv, db_conn: psycopg.Connection[Any]
 ) -> None:
     dead = pw_env.settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
-    assert submit_batch(make_batch("b-1"), settings=dead, enqueue=False).status == "accepted"
-    assert submit_batch(make_batch("b-1"), settings=dead, enqueue=False).status == "duplicate"
+    rt = runtime.Runtime(dead)
+    try:
+        assert submit_batch(make_batch("b-1"), runtime=rt, enqueue=False).status == "accepted"
+        assert submit_batch(make_batch("b-1"), runtime=rt, enqueue=False).status == "duplicate"
+    finally:
+        rt.close()
     assert counts(db_conn) == (1, 3, 3)
 
 

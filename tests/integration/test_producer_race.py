@@ -21,16 +21,14 @@ CHILD = r"""
 import json, sys
 from prometheus_client import REGISTRY
 from payment_worker import submit_batch
-from payment_worker.db.engine import get_engine
-from payment_worker.producer.submit import _DedupWindow
-from payment_worker.settings import get_settings
-from payment_worker.worker.tasks import process_account_batch
+from payment_worker import runtime
+from payment_worker.worker.celery_app import app
 
 batch = json.loads(sys.argv[1])
-with get_engine().connect():
+with runtime.current().engine.connect():
     pass
-_DedupWindow(get_settings())._client.ping()
-with process_account_batch.app.connection_for_write() as conn:
+runtime.current().dedup_redis.ping()
+with app.connection_for_write() as conn:
     conn.ensure_connection()
 print("ready", flush=True)
 sys.stdin.readline()

@@ -15,9 +15,8 @@ from typing import Any
 import psycopg
 from sqlalchemy import Connection, text
 
-from payment_worker import submit_batch
+from payment_worker import runtime, submit_batch
 from payment_worker.db.batches import StatusRow, stream_status
-from payment_worker.db.engine import get_engine
 from payment_worker.producer import status as status_mod
 from tests.conftest import ROOT, PwEnv
 from tests.integration.test_producer import make_batch
@@ -100,7 +99,7 @@ def test_all_with_100k_items_is_streamed(pw_env: PwEnv, db_conn: psycopg.Connect
 
     # in process: output starts after one row, while the server-side cursor is still open
     pulled = [0]
-    with get_engine().connect() as conn:
+    with runtime.current().engine.connect() as conn:
         spy = Spy(conn, pulled)
         started = time.monotonic()
         written = status_mod.write_json(counting(stream_status(conn, None), pulled), spy)

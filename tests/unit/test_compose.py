@@ -96,23 +96,14 @@ def test_celery_commands_name_the_real_app(name: str) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-def test_worker_consumes_the_configured_queues(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_consumes_the_configured_queues() -> None:
+    from payment_worker.settings import Settings
+    from payment_worker.worker.celery_config import build_config
+
     command = OURS["worker"]["command"]
     queues = command[command.index("-Q") + 1].split(",")
-    for key, value in _NO_SERVICES.items():
-        monkeypatch.setenv(key, value)
-    from payment_worker.settings import get_settings
-
-    get_settings.cache_clear()
-    try:
-        import importlib
-
-        import payment_worker.worker.celery_config as cc
-
-        cc = importlib.reload(cc)
-        assert sorted(queues) == sorted(q.name for q in cc.task_queues) == ["dlq", "payments"]
-    finally:
-        get_settings.cache_clear()
+    conf = build_config(Settings(), "redis://127.0.0.1:1/0")
+    assert sorted(queues) == sorted(q.name for q in conf["task_queues"]) == ["dlq", "payments"]
 
 
 def test_long_running_services_have_health_checks() -> None:

@@ -14,8 +14,15 @@ import pytest
 from payment_worker.domain.batch_schema import MAX_JSON_DEPTH
 from payment_worker.producer import submit as producer
 from payment_worker.producer.submit import InputError, cli_submit, iter_documents, submit_batch
+from payment_worker.runtime import Runtime, ServiceUrls
 from payment_worker.settings import Settings
 from tests.unit.test_schemas import DEEP, batch, deep_value, item
+
+# nothing listens there: a refused input must never reach a server
+_NOWHERE = ServiceUrls(
+    "postgresql://127.0.0.1:1/none", "redis://127.0.0.1:1/0", "redis://127.0.0.1:1/0"
+)
+NO_RUNTIME = Runtime(Settings(), _NOWHERE)
 
 Run = Callable[[str], tuple[int, str, str]]
 TOO_DEEP = f"JSON nested more than {MAX_JSON_DEPTH} levels deep: line "
@@ -59,14 +66,11 @@ def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str])
     def never_submitted(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a refused input reached submission")
 
-    # logging is configured once per process, to the stderr of that moment: keep it out
-    monkeypatch.setattr(producer, "configure_logging", lambda *args: None)
-    monkeypatch.setattr(producer, "get_settings", Settings)
     monkeypatch.setattr(producer, "_submit", never_submitted)
 
     def run(text: str) -> tuple[int, str, str]:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
-        rc = cli_submit("-")
+        rc = cli_submit("-", lambda: NO_RUNTIME)
         out, err = capsys.readouterr()
         return rc, out, err
 
@@ -115,7 +119,7 @@ def test_closed_stdin_is_an_input_error(monkeypatch: pytest.MonkeyPatch) -> None
     ids=["text", "bytes", "beneficiary"],
 )
 def test_submit_batch_rejects_deep_json_text(raw: str | bytes) -> None:
-    result = submit_batch(raw, settings=Settings(), enqueue=False)
+    result = submit_batch(raw, runtime=NO_RUNTIME, enqueue=False)
     assert result.status == "rejected"
     [error] = result.errors
     assert error["path"] == "$"
@@ -124,6 +128,6 @@ def test_submit_batch_rejects_deep_json_text(raw: str | bytes) -> None:
 
 def test_submit_batch_rejects_a_deep_decoded_value_with_its_path() -> None:
     data = batch(item(description=deep_value()))
-    result = submit_batch(data, settings=Settings(), enqueue=False)
+    result = submit_batch(data, runtime=NO_RUNTIME, enqueue=False)
     assert result.status == "rejected"
     assert result.errors == [{"path": "$.items[0].description", "message": "must be a string"}]

@@ -1,0 +1,60 @@
+"""Putting accounts' work on the queue: publish, hand off at the end of a slice, schedule.
+
+The drain loop and the sweeper both use this module; it publishes by task name, so it needs
+neither the tasks module nor anything that imports it (no import cycle).
+"""
+
+from __future__ import annotations
+
+from payment_worker.ops.logging import get_logger
+from payment_worker.runtime import Runtime
+from payment_worker.worker.celery_app import app
+
+log = get_logger("queueing")
+
+PROCESS_TASK = "payment_worker.process_account_batch"
+SWEEP_TASK = "payment_worker.sweep"
+PAYMENTS_QUEUE = "payments"
+
+
+def enqueue_batch(batch_id: str, countdown: float | None = None) -> None:
+    """Publish one ``process_account_batch`` message carrying only the batch id.
+
+    Raises the broker's error when it is unreachable; callers that have persisted the batch
+    already may ignore it, because the sweeper enqueues pending batches.
+    """
+    app.send_task(
+        PROCESS_TASK,
+        args=[batch_id],
+        queue=PAYMENTS_QUEUE,
+        routing_key=PAYMENTS_QUEUE,
+        countdown=countdown,
+    )
+
+
+def hand_off(account_id: str, batch_id: str) -> None:
+    """End of a slice: the account goes back to the queue (after the lock is released, so the
+    next execution finds it free), and any free worker in any process continues it while
+    other accounts get their turn."""
+    try:
+        enqueue_batch(batch_id)
+    except Exception as exc:
+        # broker down: the sweeper re-enqueues stalled accounts
+        log.warning("hand_off_failed", account_id=account_id, error=repr(exc))
+
+
+def schedule(rt: Runtime, account_id: str, batch_id: str, wait: float) -> float:
+    """One delayed message per account for work that is not due yet; returns the countdown."""
+    # a countdown must stay below the broker's visibility timeout (or the message would be
+    # redelivered while still waiting); if a Retry-After is longer, the task runs early, finds
+    # nothing due and schedules again
+    wait = min(max(wait, 0.0), rt.settings.visibility_timeout * 0.5)
+    marker = rt.key("scheduled", account_id)
+    # the marker outlives the countdown a little; the sweeper covers a lost delayed message
+    if rt.redis.set(marker, batch_id, nx=True, px=int((wait + 5.0) * 1000)):
+        try:
+            enqueue_batch(batch_id, countdown=wait or None)
+        except Exception as exc:
+            rt.redis.delete(marker)
+            log.warning("schedule_failed", account_id=account_id, error=repr(exc))
+    return wait
