@@ -17,6 +17,14 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
+from payment_worker.db.models import sql_values
+from payment_worker.domain.statuses import (
+    IN_DOUBT_TX_STATUSES,
+    OPEN_TX_STATUSES,
+    SENDABLE_TX_STATUSES,
+    TERMINAL_TX_STATUSES,
+    TxStatus,
+)
 from payment_worker.errors import FencedOut
 from payment_worker.ops.metrics import FENCING_REJECTIONS
 
@@ -34,7 +42,7 @@ class ClaimedItem:
     beneficiary: dict[str, Any]
     description: str | None
     idempotency_key: str
-    status: str
+    status: TxStatus
     attempts: int
     lookups: int
     request_fingerprint: str | None
@@ -56,6 +64,12 @@ class Outcome:
     dead_reason: str | None = None
 
 
+# the status lists of the statements below, rendered once
+_OPEN = sql_values(OPEN_TX_STATUSES)
+_IN_DOUBT = sql_values(IN_DOUBT_TX_STATUSES)
+_SENDABLE = sql_values(SENDABLE_TX_STATUSES)
+_TERMINAL = sql_values(TERMINAL_TX_STATUSES)
+
 _FENCE_CTE = """fence AS (
     SELECT fence_token FROM account_fences
     WHERE account_id = :acct AND fence_token = :tok
@@ -70,7 +84,7 @@ WITH {_FENCE_CTE},
 due AS (
     SELECT t.id, t.status AS prev FROM transactions t, fence
     WHERE t.account_id = :acct
-      AND t.status IN ('pending', 'retryable', 'unknown', 'dispatching')
+      AND t.status IN ({_OPEN})
       AND t.next_attempt_at <= now()
     ORDER BY t.batch_pk, t.id
     LIMIT :n
@@ -78,9 +92,9 @@ due AS (
 ),
 upd AS (
     UPDATE transactions t SET
-        status = CASE WHEN due.prev IN ('pending', 'retryable')
+        status = CASE WHEN due.prev IN ({_SENDABLE})
                       THEN 'dispatching' ELSE 'unknown' END,
-        attempts = t.attempts + CASE WHEN due.prev IN ('pending', 'retryable') THEN 1 ELSE 0 END,
+        attempts = t.attempts + CASE WHEN due.prev IN ({_SENDABLE}) THEN 1 ELSE 0 END,
         fence_token = :tok,
         updated_at = now()
     FROM due WHERE t.id = due.id
@@ -121,7 +135,7 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list
             beneficiary=r["beneficiary"],
             description=r["description"],
             idempotency_key=r["idempotency_key"],
-            status=r["status"],
+            status=TxStatus(r["status"]),
             attempts=r["attempts"],
             lookups=r["lookups"],
             request_fingerprint=r["request_fingerprint"],
@@ -146,7 +160,7 @@ upd AS (
         last_error_class = v.error_class, last_error = v.error,
         fence_token = :tok, updated_at = now()
     FROM v, fence
-    WHERE t.id = v.id AND t.account_id = :acct AND t.status IN ('dispatching', 'unknown')
+    WHERE t.id = v.id AND t.account_id = :acct AND t.status IN ({_IN_DOUBT})
     RETURNING t.id, t.batch_pk, t.status, t.attempts, v.key_status, v.payment_id,
               v.dead_reason, v.error_class, v.error, t.idempotency_key
 ),
@@ -217,7 +231,7 @@ FROM (
     WHERE batch_pk IN (SELECT id FROM batches WHERE account_id = :acct AND status <> 'completed')
       AND (CAST(:pks AS bigint[]) IS NULL OR batch_pk = ANY(CAST(:pks AS bigint[])))
     GROUP BY batch_pk
-    HAVING bool_and(status IN ('succeeded', 'failed', 'dead'))
+    HAVING bool_and(status IN ({_TERMINAL}))
 ) s
 WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
 RETURNING b.batch_id
@@ -236,9 +250,9 @@ def complete_batches(
     return list(conn.execute(_COMPLETE, params).scalars())
 
 
-_NEXT_DUE = text("""
+_NEXT_DUE = text(f"""
 SELECT min(next_attempt_at) AS due, now() AS now FROM transactions
-WHERE account_id = :acct AND status IN ('pending', 'dispatching', 'retryable', 'unknown')
+WHERE account_id = :acct AND status IN ({_OPEN})
 """)
 
 
@@ -259,11 +273,11 @@ def account_of_batch(conn: Connection, batch_id: str) -> str | None:
     return None if value is None else str(value)
 
 
-_STALLED = text("""
+_STALLED = text(f"""
 SELECT t.account_id, min(b.batch_id) AS batch_id,
-       bool_or(t.status IN ('dispatching', 'unknown')) AS in_doubt
+       bool_or(t.status IN ({_IN_DOUBT})) AS in_doubt
 FROM transactions t JOIN batches b ON b.id = t.batch_pk
-WHERE t.status IN ('pending', 'dispatching', 'retryable', 'unknown')
+WHERE t.status IN ({_OPEN})
   AND t.next_attempt_at <= now()
 GROUP BY t.account_id
 HAVING max(t.updated_at) < now() - make_interval(secs => :stale)

@@ -20,6 +20,7 @@ from payment_worker.db import migrate
 from payment_worker.db.engine import get_engine
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.reconcile import reconcile
+from payment_worker.domain.statuses import TERMINAL_TX_STATUSES
 from payment_worker.services import broker_url, database_url, redis_url, sqlalchemy_url
 from payment_worker.settings import get_settings
 
@@ -113,7 +114,7 @@ def run_demo(file: str | None = None, *, workers: int = 1, timeout: float = 180.
         counts: dict[str, int] = {}
         while time.monotonic() < deadline:
             counts = _progress(ids)
-            done = sum(counts.get(k, 0) for k in ("succeeded", "failed", "dead"))
+            done = sum(counts.get(k, 0) for k in TERMINAL_TX_STATUSES)
             _say(
                 f"      {done}/{total} terminal  "
                 + " ".join(f"{k}={v}" for k, v in sorted(counts.items()))

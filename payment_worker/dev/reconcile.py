@@ -12,6 +12,8 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
+from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, TxStatus
+
 
 @dataclass
 class Reconciliation:
@@ -80,11 +82,11 @@ def reconcile(
         n = sent.get(key, 0)
         if n > 1:
             rec.double_paid.append(key)
-        if status not in ("succeeded", "failed", "dead"):
+        if status not in TERMINAL_TX_STATUSES:
             rec.not_terminal.append(key)
-        elif status == "succeeded" and n == 0:
+        elif status == TxStatus.SUCCEEDED and n == 0:
             rec.succeeded_not_paid.append(key)
-        elif status != "succeeded" and n > 0:
+        elif status != TxStatus.SUCCEEDED and n > 0:
             rec.paid_not_succeeded.append(key)
     if batch_ids is None:
         rec.unknown_to_us = sorted(k for k, n in sent.items() if n > 0 and k not in ours)

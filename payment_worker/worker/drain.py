@@ -21,14 +21,8 @@ from payment_worker.db import work as repo
 from payment_worker.db.engine import get_engine
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.retry import Backoff
-from payment_worker.domain.transitions import (
-    FINGERPRINT_MISMATCH,
-    TERMINAL,
-    Decision,
-    Policy,
-    after_lookup,
-    after_send,
-)
+from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, DeadReason, TxStatus
+from payment_worker.domain.transitions import Decision, Policy, after_lookup, after_send
 from payment_worker.errors import FencedOut, LockLost
 from payment_worker.gateway.client import GatewayClient
 from payment_worker.locks.account_lock import AccountLock
@@ -275,7 +269,7 @@ def _process_chunk(
             report.items += len(outcomes)
             report.result = "processed"
             for o in outcomes:
-                if o.status in TERMINAL:
+                if o.status in TERMINAL_TX_STATUSES:
                     report.finished[o.status] = report.finished.get(o.status, 0) + 1
                     TRANSACTIONS_FINISHED.labels(o.status).inc()
                     if o.dead_reason:
@@ -312,15 +306,15 @@ def _process_item(res: Resources, lock: AccountLock, item: repo.ClaimedItem) -> 
     if item.request_fingerprint is not None and request.fingerprint() != item.request_fingerprint:
         # the row no longer matches what was accepted: never send a different body under the key
         d = Decision(
-            "dead",
+            TxStatus.DEAD,
             error_class="fingerprint_mismatch",
             error="request body differs from the accepted one",
-            dead_reason=FINGERPRINT_MISMATCH,
+            dead_reason=DeadReason.FINGERPRINT_MISMATCH,
         )
         return _outcome(item, d, attempts, lookups)
     policy = res.policy
     # ensure_held() runs inside the client right before each send (after any pacing wait)
-    if item.status == "unknown":
+    if item.status is TxStatus.UNKNOWN:
         found = res.gateway.lookup_payment(
             item.account_id, item.idempotency_key, guard=lock.ensure_held
         )
