@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, text
 
@@ -27,6 +27,11 @@ from payment_worker.domain.statuses import (
 )
 from payment_worker.errors import FencedOut
 from payment_worker.ops.metrics import FENCING_REJECTIONS
+
+if TYPE_CHECKING:
+    # for the annotation only: at run time the data layer needs no state machine (nor what
+    # it imports); outcomes are read by attribute
+    from payment_worker.domain.transitions import ItemOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,22 +51,6 @@ class ClaimedItem:
     attempts: int
     lookups: int
     request_fingerprint: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What to write for one transaction (see transitions.Decision)."""
-
-    id: int
-    status: str
-    attempts: int
-    lookups: int
-    delay: float = 0.0
-    payment_id: str | None = None
-    error_class: str | None = None
-    error: str | None = None
-    key_status: str | None = None
-    dead_reason: str | None = None
 
 
 # the status lists of the statements below, rendered once
@@ -185,8 +174,25 @@ SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fe
 """)
 
 
+def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
+    # the JSON keys are the columns of the recordset in _RECORD
+    d = o.decision
+    return {
+        "id": o.item_id,
+        "status": d.status,
+        "attempts": o.attempts,
+        "lookups": o.lookups,
+        "delay": max(d.delay, 0.0),
+        "payment_id": d.payment_id,
+        "error_class": d.error_class,
+        "error": (d.error[:1000] if d.error else None),
+        "key_status": d.key_status,
+        "dead_reason": d.dead_reason,
+    }
+
+
 def record_outcomes(
-    conn: Connection, account_id: str, token: int, outcomes: Sequence[Outcome]
+    conn: Connection, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
 ) -> int:
     """Write the outcomes of claimed items in one fenced statement; returns rows changed.
 
@@ -195,23 +201,7 @@ def record_outcomes(
     """
     if not outcomes:
         return 0
-    rows = json.dumps(
-        [
-            {
-                "id": o.id,
-                "status": o.status,
-                "attempts": o.attempts,
-                "lookups": o.lookups,
-                "delay": max(o.delay, 0.0),
-                "payment_id": o.payment_id,
-                "error_class": o.error_class,
-                "error": (o.error[:1000] if o.error else None),
-                "key_status": o.key_status,
-                "dead_reason": o.dead_reason,
-            }
-            for o in outcomes
-        ]
-    )
+    rows = json.dumps([_outcome_row(o) for o in outcomes])
     row = conn.execute(_RECORD, {"acct": account_id, "tok": token, "rows": rows}).one()
     if not row.fenced_ok:
         raise _fence_rejected(account_id, token)

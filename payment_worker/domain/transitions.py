@@ -44,6 +44,19 @@ class Decision:
         return self.status in TERMINAL_TX_STATUSES
 
 
+@dataclass(frozen=True, slots=True)
+class ItemOutcome:
+    """A decision about one claimed transaction with its counters: what the worker records.
+
+    The one type from the state machine to the database row (``db.work.record_outcomes``).
+    """
+
+    item_id: int  # transactions.id
+    attempts: int  # sends so far, this step's included
+    lookups: int  # lookups so far, this step's included
+    decision: Decision
+
+
 def _final(result: GatewayResult) -> Decision | None:
     if result.outcome is Outcome.SUCCEEDED:
         return Decision(

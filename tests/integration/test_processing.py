@@ -167,6 +167,8 @@ def test_old_holder_is_fenced_out(
 ) -> None:
     from payment_worker.db import work as repo
     from payment_worker.db.fences import next_fence_token
+    from payment_worker.domain.statuses import TxStatus
+    from payment_worker.domain.transitions import Decision, ItemOutcome
     from payment_worker.errors import FencedOut
 
     batches = make_batches(batches=1, items=2, accounts=1, prefix="f")
@@ -183,12 +185,12 @@ def test_old_holder_is_fenced_out(
                 conn,
                 "acct-0000",
                 old,
-                [repo.Outcome(id=i.id, status="succeeded", attempts=1, lookups=0) for i in items],
+                [ItemOutcome(i.id, 1, 0, Decision(TxStatus.SUCCEEDED)) for i in items],
             )
         with pytest.raises(FencedOut):
             repo.claim_due(conn, "acct-0000", old, 10)
         assert _statuses(db_conn) == {"dispatching": 2}
-        done = [repo.Outcome(id=i.id, status="succeeded", attempts=1, lookups=0) for i in items]
+        done = [ItemOutcome(i.id, 1, 0, Decision(TxStatus.SUCCEEDED)) for i in items]
         assert repo.record_outcomes(conn, "acct-0000", new, done) == 2
         # completing the batch is fenced too: the old holder changes nothing, the new one does
         assert repo.complete_batches(conn, "acct-0000", old) == []
