@@ -1,10 +1,11 @@
 """Every SQL statement of batch processing: claiming work, writing outcomes, completing batches.
 
 Each function is one short statement (its own transaction, autocommit), never held open
-across an HTTP call. Every write carries the holder's fencing token and checks it against
-``account_fences`` under a share lock (FOR SHARE), so a writer whose token is older than the
-account's current one changes nothing and gets :class:`FencedOut`; a concurrent
-``next_fence_token`` waits for the write to commit, so the order is strict.
+across an HTTP call. Every write is fenced (:mod:`payment_worker.db.fences`): it carries the
+holder's fencing token and checks it against ``account_fences`` under a share lock (FOR
+SHARE) in the same statement, so a writer whose token is older than the account's current
+one changes nothing and gets :class:`FencedOut`; a concurrent ``next_fence_token`` waits for
+the write to commit, so the order is strict.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, text
 
+from payment_worker.db.fences import FENCE_CTE, execute_fenced, fence_params
 from payment_worker.db.models import sql_values
 from payment_worker.domain.statuses import (
     IN_DOUBT_TX_STATUSES,
@@ -25,8 +27,6 @@ from payment_worker.domain.statuses import (
     TERMINAL_TX_STATUSES,
     TxStatus,
 )
-from payment_worker.errors import FencedOut
-from payment_worker.ops.metrics import FENCING_REJECTIONS
 
 if TYPE_CHECKING:
     # for the annotation only: at run time the data layer needs no state machine (nor what
@@ -59,17 +59,11 @@ _IN_DOUBT = sql_values(IN_DOUBT_TX_STATUSES)
 _SENDABLE = sql_values(SENDABLE_TX_STATUSES)
 _TERMINAL = sql_values(TERMINAL_TX_STATUSES)
 
-_FENCE_CTE = """fence AS (
-    SELECT fence_token FROM account_fences
-    WHERE account_id = :acct AND fence_token = :tok
-    FOR SHARE
-)"""
-
 # Claim up to :n due items of the account in one statement: pending/retryable become
 # dispatching (intent recorded before the gateway call, attempts + 1); dispatching left by a
 # crashed holder becomes unknown (maybe sent: only a lookup may decide); unknown stays.
 _CLAIM = text(f"""
-WITH {_FENCE_CTE},
+WITH {FENCE_CTE},
 due AS (
     SELECT t.id, t.status AS prev FROM transactions t, fence
     WHERE t.account_id = :acct
@@ -103,16 +97,9 @@ ORDER BY upd.batch_pk, upd.id
 """)
 
 
-def _fence_rejected(account_id: str, token: int) -> FencedOut:
-    FENCING_REJECTIONS.inc()
-    return FencedOut(f"fencing token {token} of account {account_id} is no longer current")
-
-
 def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
     """Claim up to ``limit`` due items of the account (fenced); [] when nothing is due."""
-    rows = conn.execute(_CLAIM, {"acct": account_id, "tok": token, "n": limit}).mappings().all()
-    if not rows[0]["fenced_ok"]:
-        raise _fence_rejected(account_id, token)
+    rows = execute_fenced(conn, _CLAIM, {"n": limit}, account_id=account_id, token=token)
     return [
         ClaimedItem(
             id=r["id"],
@@ -135,7 +122,7 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list
 
 
 _RECORD = text(f"""
-WITH {_FENCE_CTE},
+WITH {FENCE_CTE},
 v AS (
     SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(
         id bigint, status text, attempts int, lookups int, delay double precision,
@@ -202,14 +189,12 @@ def record_outcomes(
     if not outcomes:
         return 0
     rows = json.dumps([_outcome_row(o) for o in outcomes])
-    row = conn.execute(_RECORD, {"acct": account_id, "tok": token, "rows": rows}).one()
-    if not row.fenced_ok:
-        raise _fence_rejected(account_id, token)
-    return int(row.updated)
+    result = execute_fenced(conn, _RECORD, {"rows": rows}, account_id=account_id, token=token)
+    return int(result[0]["updated"])
 
 
 _COMPLETE = text(f"""
-WITH {_FENCE_CTE}
+WITH {FENCE_CTE}
 UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = now(),
     succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
 FROM (
@@ -235,8 +220,9 @@ def complete_batches(
     terminal; returns their batch ids."""
     pks = None if batch_pks is None else list(batch_pks)
     # fenced like every write: a replaced holder changes nothing (it would only ever complete
-    # a batch whose items are all terminal, but the rule has no exceptions)
-    params = {"acct": account_id, "tok": token, "pks": pks}
+    # a batch whose items are all terminal, but the rule has no exceptions). Its stale token
+    # is not an error here: the claim and the record around it raise FencedOut
+    params = {**fence_params(account_id, token), "pks": pks}
     return list(conn.execute(_COMPLETE, params).scalars())
 
 
