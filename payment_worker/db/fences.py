@@ -24,7 +24,6 @@ from typing import Any
 from sqlalchemy import Connection, RowMapping, TextClause, text
 
 from payment_worker.errors import FencedOut
-from payment_worker.ops.metrics import FENCING_REJECTIONS
 
 FENCE_CTE = """fence AS (
     SELECT fence_token FROM account_fences
@@ -70,11 +69,11 @@ def execute_fenced(
 
     ``statement`` starts with ``WITH`` :data:`FENCE_CTE` and returns at least one row, whose
     ``fenced_ok`` column is the verdict. A current token with a state condition that simply
-    did not match is no rejection: the statement's own columns tell what changed.
+    did not match is no rejection: the statement's own columns tell what changed. The caller
+    that handles :class:`FencedOut` counts it (``pw_fencing_rejections_total``).
     """
     rows = conn.execute(statement, {**params, **fence_params(account_id, token)}).mappings().all()
     if not rows[0]["fenced_ok"]:
-        FENCING_REJECTIONS.inc()
         raise FencedOut(f"fencing token {token} of account {account_id} is no longer current")
     return rows
 

@@ -36,6 +36,7 @@ from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     BATCH_SECONDS,
     DEAD_LETTERS,
+    FENCING_REJECTIONS,
     IN_PROGRESS,
     LOOKUPS,
     TASK_EXECUTIONS,
@@ -206,6 +207,8 @@ def _drain(res: Resources, lock: AccountLock, batch_id: str, report: DrainReport
             report.result = "lock_lost"
             log.warning("lock_lost", account_id=account_id, reason=str(exc))
         except FencedOut as exc:
+            # counted here, once: the data layer only raises
+            FENCING_REJECTIONS.inc()
             report.result = "fenced_out"
             log.warning("fenced_out", account_id=account_id, reason=str(exc))
 
