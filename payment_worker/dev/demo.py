@@ -14,9 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import text
-
-from payment_worker.db import migrate
+from payment_worker.db import migrate, reports
 from payment_worker.db.engine import get_engine
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.reconcile import reconcile
@@ -45,26 +43,12 @@ def _load_batches(path: Path, run_id: str) -> list[dict[str, Any]]:
 
 def _progress(batch_ids: list[str]) -> dict[str, int]:
     with get_engine().connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT t.status, count(*) FROM transactions t JOIN batches b ON b.id = t.batch_pk "
-                "WHERE b.batch_id = ANY(:ids) GROUP BY t.status"
-            ),
-            {"ids": batch_ids},
-        ).all()
-    return {str(r[0]): int(r[1]) for r in rows}
+        return reports.transaction_counts(conn, batch_ids)
 
 
 def _batch_summaries(batch_ids: list[str]) -> list[tuple[str, str, str]]:
     with get_engine().connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT b.batch_id, b.status, t.status, count(*) FROM batches b "
-                "JOIN transactions t ON t.batch_pk = b.id WHERE b.batch_id = ANY(:ids) "
-                "GROUP BY b.batch_id, b.status, t.status ORDER BY b.batch_id, t.status"
-            ),
-            {"ids": batch_ids},
-        ).all()
+        rows = reports.batch_summaries(conn, batch_ids)
     out: dict[tuple[str, str], list[str]] = {}
     for batch_id, bstatus, tstatus, n in rows:
         out.setdefault((batch_id, bstatus), []).append(f"{tstatus}={n}")
