@@ -1,4 +1,11 @@
-"""Exceptions shared across layers."""
+"""Exceptions shared across layers, and the base of every exception the package defines.
+
+Every error class of ``payment_worker`` derives from :class:`PaymentWorkerError`; one that
+callers also catch as a builtin (``ValueError``) derives from both. The one exception is
+``settings.SettingsError``: a ``SystemExit`` on purpose, so that a bad setting ends any
+process with exit code 2 and one line, and no ``except Exception`` (a task, a retry loop)
+can swallow it.
+"""
 
 from __future__ import annotations
 

@@ -26,10 +26,16 @@ from typing import Any
 GATEWAY_CALLS_KEY = "test:gateway_calls"
 COUNTER_KEY = "test:counter"
 
-FENCED_UPDATE_SQL = (
-    "UPDATE transactions SET status = :status, fence_token = :fence_token, updated_at = now()"
-    " WHERE id = :id AND {guard}"
+# a fenced write the way the worker's statements are fenced (payment_worker.db.fences)
+FENCED_UPDATE_SQL = """
+WITH {fence},
+upd AS (
+    UPDATE transactions t SET status = :status, fence_token = :tok, updated_at = now()
+    FROM fence WHERE t.id = :id
+    RETURNING t.id
 )
+SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok
+"""
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -54,20 +60,20 @@ def fenced_write(engine: Any, account_id: str, fence_token: int, tx_pk: int, sta
     """One fenced state write of a transaction row: "ok", "fenced_out" or "no_row"."""
     from sqlalchemy import text
 
-    from payment_worker.db.fences import FENCE_GUARD_SQL, execute_fenced
+    from payment_worker.db.fences import FENCE_CTE, execute_fenced
     from payment_worker.errors import FencedOut
 
-    stmt = text(FENCED_UPDATE_SQL.format(guard=FENCE_GUARD_SQL))
+    stmt = text(FENCED_UPDATE_SQL.format(fence=FENCE_CTE))
     try:
         with engine.begin() as conn:
-            res = execute_fenced(
+            rows = execute_fenced(
                 conn,
                 stmt,
                 {"status": status, "id": tx_pk},
                 account_id=account_id,
-                fence_token=fence_token,
+                token=fence_token,
             )
-            return "ok" if res.rowcount == 1 else "no_row"
+            return "ok" if rows[0]["updated"] == 1 else "no_row"
     except FencedOut:
         return "fenced_out"
 

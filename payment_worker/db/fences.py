@@ -1,47 +1,46 @@
 """Fencing tokens: a per-account number in Postgres that grows on every lock acquisition.
 
-Every state write of an account's transactions carries the writer's token and is guarded
-by :data:`FENCE_GUARD_SQL`; a writer whose token is no longer the account's current one
-changes no row. Redis never decides correctness on its own: a holder that lost its Redis
-lock without noticing (a long pause, a partition) is stopped here.
+Every state write of an account's rows is one statement that starts with :data:`FENCE_CTE`
+and carries the writer's token; a writer whose token is no longer the account's current one
+changes no row and gets :class:`FencedOut`. Redis never decides correctness on its own: a
+holder that lost its Redis lock without noticing (a long pause, a partition) is stopped here.
 
-Semantics of the guard under READ COMMITTED (PostgreSQL's default), see docs/locks.md:
+Semantics of the fence under READ COMMITTED (PostgreSQL's default), see docs/locks.md:
 
-* the guard's sub-SELECT locks the account's fence row ``FOR SHARE``;
-* if a newer token was issued but not yet committed, the guard waits for that transaction
-  and then re-checks the committed row (EvalPlanQual): the old writer changes no row;
-* once the guard has passed, a concurrent :func:`next_fence_token` waits until the
-  writer's transaction ends, so every write of that transaction is ordered before the
-  newer token exists.
+* the CTE selects the account's fence row ``FOR SHARE``, and only while it holds the
+  writer's token;
+* if a newer token was issued but not yet committed, the CTE waits for that transaction and
+  then re-checks the committed row (EvalPlanQual): it is empty, the old writer changes no row;
+* once the CTE has passed, a concurrent :func:`next_fence_token` waits until the writer's
+  transaction ends, so every write of that transaction is ordered before the newer token
+  exists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, CursorResult, Executable, TextClause, bindparam, text
+from sqlalchemy import Connection, RowMapping, TextClause, text
 
 from payment_worker.errors import FencedOut
-from payment_worker.ops.logging import get_logger
-from payment_worker.ops.metrics import FENCING_REJECTIONS
 
-log = get_logger("fences")
+FENCE_CTE = """fence AS (
+    SELECT fence_token FROM account_fences
+    WHERE account_id = :acct AND fence_token = :tok
+    FOR SHARE
+)"""
+"""The fence, for a ``WITH`` clause: a CTE named ``fence`` that has one row when ``:tok`` is
+the current token of account ``:acct``, and none otherwise.
 
-# Bound parameter names are prefixed so the guard can sit in a statement that binds its
-# own ``:account_id`` without a clash.
-FENCE_GUARD_SQL = (
-    "EXISTS (SELECT 1 FROM account_fences f"
-    " WHERE f.account_id = :fence_account_id AND f.fence_token = :fence_token"
-    " FOR SHARE OF f)"
-)
-"""A boolean SQL fragment for the WHERE clause of a fenced UPDATE.
+A fenced statement makes each of its writes depend on ``fence`` (joins it, or filters by
+``EXISTS (SELECT 1 FROM fence)``) and returns the verdict in a ``fenced_ok`` column, so a
+stale token costs no second query. For :func:`execute_fenced`, e.g.::
 
-Binds ``:fence_account_id`` and ``:fence_token``. True only when ``:fence_token`` is the
-account's current token; it costs no extra round trip. Example::
-
-    UPDATE transactions SET status = 'succeeded', fence_token = :fence_token
-     WHERE id = :id AND status = 'dispatching' AND <FENCE_GUARD_SQL>
+    WITH <FENCE_CTE>,
+    upd AS (UPDATE transactions t SET status = :status, fence_token = :tok, updated_at = now()
+            FROM fence WHERE t.id = :id AND t.status = 'dispatching' RETURNING t.id)
+    SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok
 """
 
 _NEXT_SQL = text(
@@ -51,28 +50,32 @@ _NEXT_SQL = text(
     " SET fence_token = a.fence_token + 1, updated_at = now()"
     " RETURNING a.fence_token"
 )
-_CURRENT_SQL = text("SELECT fence_token FROM account_fences WHERE account_id = :account_id")
-_CHECK_SQL = text("SELECT fence_token FROM account_fences WHERE account_id = :account_id FOR SHARE")
 
 
-def fence_params(account_id: str, fence_token: int) -> dict[str, Any]:
-    """The bound parameters :data:`FENCE_GUARD_SQL` needs."""
-    return {"fence_account_id": account_id, "fence_token": fence_token}
+def fence_params(account_id: str, token: int) -> dict[str, Any]:
+    """The bound parameters :data:`FENCE_CTE` needs (``:acct``, ``:tok``)."""
+    return {"acct": account_id, "tok": token}
 
 
-# the Core variant binds its own names: ``.values(fence_token=...)`` already owns
-# a ``fence_token`` bind parameter in the same statement
-_GUARD_CORE_SQL = FENCE_GUARD_SQL.replace(":fence_account_id", ":fence_guard_account_id").replace(
-    ":fence_token", ":fence_guard_token"
-)
+def execute_fenced(
+    conn: Connection,
+    statement: TextClause,
+    params: Mapping[str, Any],
+    *,
+    account_id: str,
+    token: int,
+) -> Sequence[RowMapping]:
+    """Run a fenced statement and return its rows; raise :class:`FencedOut` if the token is stale.
 
-
-def fence_guard(account_id: str, fence_token: int) -> TextClause:
-    """:data:`FENCE_GUARD_SQL` with its values bound, for a SQLAlchemy Core ``where()``."""
-    return text(_GUARD_CORE_SQL).bindparams(
-        bindparam("fence_guard_account_id", account_id),
-        bindparam("fence_guard_token", fence_token),
-    )
+    ``statement`` starts with ``WITH`` :data:`FENCE_CTE` and returns at least one row, whose
+    ``fenced_ok`` column is the verdict. A current token with a state condition that simply
+    did not match is no rejection: the statement's own columns tell what changed. The caller
+    that handles :class:`FencedOut` counts it (``pw_fencing_rejections_total``).
+    """
+    rows = conn.execute(statement, {**params, **fence_params(account_id, token)}).mappings().all()
+    if not rows[0]["fenced_ok"]:
+        raise FencedOut(f"fencing token {token} of account {account_id} is no longer current")
+    return rows
 
 
 def next_fence_token(conn: Connection, account_id: str) -> int:
@@ -83,56 +86,3 @@ def next_fence_token(conn: Connection, account_id: str) -> int:
     """
     token = conn.execute(_NEXT_SQL, {"account_id": account_id}).scalar_one()
     return int(token)
-
-
-def current_fence_token(conn: Connection, account_id: str) -> int:
-    """The account's current token; 0 when no lock was ever acquired for it."""
-    token = conn.execute(_CURRENT_SQL, {"account_id": account_id}).scalar_one_or_none()
-    return 0 if token is None else int(token)
-
-
-def _rejected(account_id: str, fence_token: int, current: int) -> FencedOut:
-    FENCING_REJECTIONS.inc()
-    log.warning("fenced_out", account_id=account_id, fence_token=fence_token, current_token=current)
-    return FencedOut(
-        f"account {account_id}: fencing token {fence_token} is stale (current {current})"
-    )
-
-
-def check_fence(conn: Connection, account_id: str, token: int) -> None:
-    """Raise :class:`FencedOut` unless ``token`` is the account's current token.
-
-    Runs ``SELECT ... FOR SHARE`` in the caller's transaction: until that transaction
-    ends, no newer token can be issued, so the caller's following writes in the same
-    transaction are fenced too. A token newer than the stored one (impossible unless the
-    database was reset) is rejected as well.
-    """
-    row = conn.execute(_CHECK_SQL, {"account_id": account_id}).scalar_one_or_none()
-    current = 0 if row is None else int(row)
-    if current != token:
-        raise _rejected(account_id, token, current)
-
-
-def execute_fenced(
-    conn: Connection,
-    statement: Executable,
-    params: Mapping[str, Any] | None,
-    *,
-    account_id: str,
-    fence_token: int,
-) -> CursorResult[Any]:
-    """Run a fenced UPDATE; raise :class:`FencedOut` if the token is stale.
-
-    ``statement`` is text SQL embedding :data:`FENCE_GUARD_SQL` (its parameters are added
-    to ``params`` here) or a Core UPDATE filtered by :func:`fence_guard`. When it changes
-    no row, one more query tells a stale token (:class:`FencedOut`) from a state
-    condition that simply did not match (the result is returned, ``rowcount == 0``).
-    """
-    merged = dict(params or {})
-    if isinstance(statement, TextClause):
-        # text SQL embeds FENCE_GUARD_SQL; a Core statement carries fence_guard()'s values
-        merged.update(fence_params(account_id, fence_token))
-    result: CursorResult[Any] = conn.execute(statement, merged)
-    if result.rowcount == 0:
-        check_fence(conn, account_id, fence_token)
-    return result

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from enum import StrEnum
+
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
@@ -21,15 +24,37 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-TX_STATUSES = ("pending", "dispatching", "retryable", "unknown", "succeeded", "failed", "dead")
-TERMINAL_TX_STATUSES = ("succeeded", "failed", "dead")
-BATCH_STATUSES = ("pending", "processing", "completed")
+from payment_worker.domain.statuses import (
+    TERMINAL_TX_STATUSES,
+    BatchStatus,
+    KeyStatus,
+    TxStatus,
+)
 
 metadata = MetaData()
 
 
-def _in(col: str, values: tuple[str, ...]) -> str:
-    return f"{col} IN (" + ", ".join(f"'{v}'" for v in values) + ")"
+def sql_values(values: Iterable[StrEnum]) -> str:
+    """Status values as a list of SQL literals, ``'a', 'b'``, for an ``IN (...)``.
+
+    In the enum's definition order, whatever the order of ``values`` (a set, often), so that
+    generated SQL is stable and matches the migrations. Only for the enums' own fixed values,
+    never for input: nothing is escaped.
+    """
+    members = list(values)
+    if not members:
+        raise ValueError("an SQL IN-list needs at least one value")
+    order = list(type(members[0]))
+    return ", ".join(f"'{v.value}'" for v in sorted(members, key=order.index))
+
+
+def _in(col: str, values: Iterable[StrEnum]) -> str:
+    return f"{col} IN ({sql_values(values)})"
+
+
+# the predicate of the partial indexes on open transactions; queries spell it the same way so
+# that the planner can use them
+OPEN_TX_PREDICATE = f"status NOT IN ({sql_values(TERMINAL_TX_STATUSES)})"
 
 
 batches = Table(
@@ -39,7 +64,7 @@ batches = Table(
     Column("batch_id", Text, nullable=False, unique=True),
     Column("account_id", Text, nullable=False),
     Column("fingerprint", Text, nullable=False),
-    Column("status", String(16), nullable=False, server_default="pending"),
+    Column("status", String(16), nullable=False, server_default=BatchStatus.PENDING.value),
     Column("item_count", Integer, nullable=False),
     Column("succeeded_count", Integer, nullable=False, server_default="0"),
     Column("failed_count", Integer, nullable=False, server_default="0"),
@@ -48,14 +73,14 @@ batches = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("completed_at", DateTime(timezone=True)),
-    CheckConstraint(_in("status", BATCH_STATUSES), name="batches_status_check"),
+    CheckConstraint(_in("status", BatchStatus), name="batches_status_check"),
     CheckConstraint("item_count > 0", name="batches_item_count_check"),
 )
 Index(
     "batches_open_idx",
     batches.c.account_id,
     batches.c.id,
-    postgresql_where=text("status <> 'completed'"),
+    postgresql_where=text(f"status <> '{BatchStatus.COMPLETED.value}'"),
 )
 
 transactions = Table(
@@ -70,7 +95,7 @@ transactions = Table(
     Column("beneficiary", JSONB, nullable=False),
     Column("description", Text),
     Column("idempotency_key", Text, nullable=False, unique=True),
-    Column("status", String(16), nullable=False, server_default="pending"),
+    Column("status", String(16), nullable=False, server_default=TxStatus.PENDING.value),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("lookups", Integer, nullable=False, server_default="0"),
     Column("next_attempt_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
@@ -82,7 +107,7 @@ transactions = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("account_id", "transaction_id", name="transactions_account_tx_key"),
     CheckConstraint("amount > 0", name="transactions_amount_check"),
-    CheckConstraint(_in("status", TX_STATUSES), name="transactions_status_check"),
+    CheckConstraint(_in("status", TxStatus), name="transactions_status_check"),
 )
 Index("transactions_batch_idx", transactions.c.batch_pk, transactions.c.id)
 # the worker's and the sweeper's queries: open items by due time, and by account
@@ -90,14 +115,14 @@ Index(
     "transactions_open_due_idx",
     transactions.c.status,
     transactions.c.next_attempt_at,
-    postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"),
+    postgresql_where=text(OPEN_TX_PREDICATE),
 )
 Index(
     "transactions_open_account_order_idx",
     transactions.c.account_id,
     transactions.c.batch_pk,
     transactions.c.id,
-    postgresql_where=text("status NOT IN ('succeeded', 'failed', 'dead')"),
+    postgresql_where=text(OPEN_TX_PREDICATE),
 )
 
 idempotency_keys = Table(
@@ -112,13 +137,13 @@ idempotency_keys = Table(
         unique=True,
     ),
     Column("request_fingerprint", Text, nullable=False),
-    Column("status", String(16), nullable=False, server_default="new"),
+    Column("status", String(16), nullable=False, server_default=KeyStatus.NEW.value),
     Column("result_ref", Text),
     Column("fence_token", BigInteger, nullable=False, server_default="0"),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     CheckConstraint(
-        _in("status", ("new", "sent", "applied", "declined", "rejected", "not_applied")),
+        _in("status", KeyStatus),
         name="idempotency_keys_status_check",
     ),
 )

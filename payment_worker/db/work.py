@@ -1,10 +1,11 @@
 """Every SQL statement of batch processing: claiming work, writing outcomes, completing batches.
 
 Each function is one short statement (its own transaction, autocommit), never held open
-across an HTTP call. Every write carries the holder's fencing token and checks it against
-``account_fences`` under a share lock (FOR SHARE), so a writer whose token is older than the
-account's current one changes nothing and gets :class:`FencedOut`; a concurrent
-``next_fence_token`` waits for the write to commit, so the order is strict.
+across an HTTP call. Every write is fenced (:mod:`payment_worker.db.fences`): it carries the
+holder's fencing token and checks it against ``account_fences`` under a share lock (FOR
+SHARE) in the same statement, so a writer whose token is older than the account's current
+one changes nothing and gets :class:`FencedOut`; a concurrent ``next_fence_token`` waits for
+the write to commit, so the order is strict.
 """
 
 from __future__ import annotations
@@ -13,12 +14,24 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, text
 
-from payment_worker.errors import FencedOut
-from payment_worker.ops.metrics import FENCING_REJECTIONS
+from payment_worker.db.fences import FENCE_CTE, execute_fenced, fence_params
+from payment_worker.db.models import sql_values
+from payment_worker.domain.statuses import (
+    IN_DOUBT_TX_STATUSES,
+    OPEN_TX_STATUSES,
+    SENDABLE_TX_STATUSES,
+    TERMINAL_TX_STATUSES,
+    TxStatus,
+)
+
+if TYPE_CHECKING:
+    # for the annotation only: at run time the data layer needs no state machine (nor what
+    # it imports); outcomes are read by attribute
+    from payment_worker.domain.transitions import ItemOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,43 +47,27 @@ class ClaimedItem:
     beneficiary: dict[str, Any]
     description: str | None
     idempotency_key: str
-    status: str
+    status: TxStatus
     attempts: int
     lookups: int
     request_fingerprint: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What to write for one transaction (see transitions.Decision)."""
-
-    id: int
-    status: str
-    attempts: int
-    lookups: int
-    delay: float = 0.0
-    payment_id: str | None = None
-    error_class: str | None = None
-    error: str | None = None
-    key_status: str | None = None
-    dead_reason: str | None = None
-
-
-_FENCE_CTE = """fence AS (
-    SELECT fence_token FROM account_fences
-    WHERE account_id = :acct AND fence_token = :tok
-    FOR SHARE
-)"""
+# the status lists of the statements below, rendered once
+_OPEN = sql_values(OPEN_TX_STATUSES)
+_IN_DOUBT = sql_values(IN_DOUBT_TX_STATUSES)
+_SENDABLE = sql_values(SENDABLE_TX_STATUSES)
+_TERMINAL = sql_values(TERMINAL_TX_STATUSES)
 
 # Claim up to :n due items of the account in one statement: pending/retryable become
 # dispatching (intent recorded before the gateway call, attempts + 1); dispatching left by a
 # crashed holder becomes unknown (maybe sent: only a lookup may decide); unknown stays.
 _CLAIM = text(f"""
-WITH {_FENCE_CTE},
+WITH {FENCE_CTE},
 due AS (
     SELECT t.id, t.status AS prev FROM transactions t, fence
     WHERE t.account_id = :acct
-      AND t.status IN ('pending', 'retryable', 'unknown', 'dispatching')
+      AND t.status IN ({_OPEN})
       AND t.next_attempt_at <= now()
     ORDER BY t.batch_pk, t.id
     LIMIT :n
@@ -78,9 +75,9 @@ due AS (
 ),
 upd AS (
     UPDATE transactions t SET
-        status = CASE WHEN due.prev IN ('pending', 'retryable')
+        status = CASE WHEN due.prev IN ({_SENDABLE})
                       THEN 'dispatching' ELSE 'unknown' END,
-        attempts = t.attempts + CASE WHEN due.prev IN ('pending', 'retryable') THEN 1 ELSE 0 END,
+        attempts = t.attempts + CASE WHEN due.prev IN ({_SENDABLE}) THEN 1 ELSE 0 END,
         fence_token = :tok,
         updated_at = now()
     FROM due WHERE t.id = due.id
@@ -100,16 +97,9 @@ ORDER BY upd.batch_pk, upd.id
 """)
 
 
-def _fence_rejected(account_id: str, token: int) -> FencedOut:
-    FENCING_REJECTIONS.inc()
-    return FencedOut(f"fencing token {token} of account {account_id} is no longer current")
-
-
 def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
     """Claim up to ``limit`` due items of the account (fenced); [] when nothing is due."""
-    rows = conn.execute(_CLAIM, {"acct": account_id, "tok": token, "n": limit}).mappings().all()
-    if not rows[0]["fenced_ok"]:
-        raise _fence_rejected(account_id, token)
+    rows = execute_fenced(conn, _CLAIM, {"n": limit}, account_id=account_id, token=token)
     return [
         ClaimedItem(
             id=r["id"],
@@ -121,7 +111,7 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list
             beneficiary=r["beneficiary"],
             description=r["description"],
             idempotency_key=r["idempotency_key"],
-            status=r["status"],
+            status=TxStatus(r["status"]),
             attempts=r["attempts"],
             lookups=r["lookups"],
             request_fingerprint=r["request_fingerprint"],
@@ -132,7 +122,7 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list
 
 
 _RECORD = text(f"""
-WITH {_FENCE_CTE},
+WITH {FENCE_CTE},
 v AS (
     SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(
         id bigint, status text, attempts int, lookups int, delay double precision,
@@ -146,7 +136,7 @@ upd AS (
         last_error_class = v.error_class, last_error = v.error,
         fence_token = :tok, updated_at = now()
     FROM v, fence
-    WHERE t.id = v.id AND t.account_id = :acct AND t.status IN ('dispatching', 'unknown')
+    WHERE t.id = v.id AND t.account_id = :acct AND t.status IN ({_IN_DOUBT})
     RETURNING t.id, t.batch_pk, t.status, t.attempts, v.key_status, v.payment_id,
               v.dead_reason, v.error_class, v.error, t.idempotency_key
 ),
@@ -171,8 +161,25 @@ SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fe
 """)
 
 
+def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
+    # the JSON keys are the columns of the recordset in _RECORD
+    d = o.decision
+    return {
+        "id": o.item_id,
+        "status": d.status,
+        "attempts": o.attempts,
+        "lookups": o.lookups,
+        "delay": max(d.delay, 0.0),
+        "payment_id": d.payment_id,
+        "error_class": d.error_class,
+        "error": (d.error[:1000] if d.error else None),
+        "key_status": d.key_status,
+        "dead_reason": d.dead_reason,
+    }
+
+
 def record_outcomes(
-    conn: Connection, account_id: str, token: int, outcomes: Sequence[Outcome]
+    conn: Connection, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
 ) -> int:
     """Write the outcomes of claimed items in one fenced statement; returns rows changed.
 
@@ -181,31 +188,13 @@ def record_outcomes(
     """
     if not outcomes:
         return 0
-    rows = json.dumps(
-        [
-            {
-                "id": o.id,
-                "status": o.status,
-                "attempts": o.attempts,
-                "lookups": o.lookups,
-                "delay": max(o.delay, 0.0),
-                "payment_id": o.payment_id,
-                "error_class": o.error_class,
-                "error": (o.error[:1000] if o.error else None),
-                "key_status": o.key_status,
-                "dead_reason": o.dead_reason,
-            }
-            for o in outcomes
-        ]
-    )
-    row = conn.execute(_RECORD, {"acct": account_id, "tok": token, "rows": rows}).one()
-    if not row.fenced_ok:
-        raise _fence_rejected(account_id, token)
-    return int(row.updated)
+    rows = json.dumps([_outcome_row(o) for o in outcomes])
+    result = execute_fenced(conn, _RECORD, {"rows": rows}, account_id=account_id, token=token)
+    return int(result[0]["updated"])
 
 
 _COMPLETE = text(f"""
-WITH {_FENCE_CTE}
+WITH {FENCE_CTE}
 UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = now(),
     succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
 FROM (
@@ -217,7 +206,7 @@ FROM (
     WHERE batch_pk IN (SELECT id FROM batches WHERE account_id = :acct AND status <> 'completed')
       AND (CAST(:pks AS bigint[]) IS NULL OR batch_pk = ANY(CAST(:pks AS bigint[])))
     GROUP BY batch_pk
-    HAVING bool_and(status IN ('succeeded', 'failed', 'dead'))
+    HAVING bool_and(status IN ({_TERMINAL}))
 ) s
 WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
 RETURNING b.batch_id
@@ -231,14 +220,15 @@ def complete_batches(
     terminal; returns their batch ids."""
     pks = None if batch_pks is None else list(batch_pks)
     # fenced like every write: a replaced holder changes nothing (it would only ever complete
-    # a batch whose items are all terminal, but the rule has no exceptions)
-    params = {"acct": account_id, "tok": token, "pks": pks}
+    # a batch whose items are all terminal, but the rule has no exceptions). Its stale token
+    # is not an error here: the claim and the record around it raise FencedOut
+    params = {**fence_params(account_id, token), "pks": pks}
     return list(conn.execute(_COMPLETE, params).scalars())
 
 
-_NEXT_DUE = text("""
+_NEXT_DUE = text(f"""
 SELECT min(next_attempt_at) AS due, now() AS now FROM transactions
-WHERE account_id = :acct AND status IN ('pending', 'dispatching', 'retryable', 'unknown')
+WHERE account_id = :acct AND status IN ({_OPEN})
 """)
 
 
@@ -259,11 +249,11 @@ def account_of_batch(conn: Connection, batch_id: str) -> str | None:
     return None if value is None else str(value)
 
 
-_STALLED = text("""
+_STALLED = text(f"""
 SELECT t.account_id, min(b.batch_id) AS batch_id,
-       bool_or(t.status IN ('dispatching', 'unknown')) AS in_doubt
+       bool_or(t.status IN ({_IN_DOUBT})) AS in_doubt
 FROM transactions t JOIN batches b ON b.id = t.batch_pk
-WHERE t.status IN ('pending', 'dispatching', 'retryable', 'unknown')
+WHERE t.status IN ({_OPEN})
   AND t.next_attempt_at <= now()
 GROUP BY t.account_id
 HAVING max(t.updated_at) < now() - make_interval(secs => :stale)

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from payment_worker.db import migrate
+from payment_worker.db import migrate, reports
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.reconcile import reconcile
+from payment_worker.domain.statuses import TERMINAL_TX_STATUSES
 from payment_worker.runtime import Runtime
 
 # shipped inside the package, so an installed wheel finds it from any working directory
@@ -42,26 +43,12 @@ def _load_batches(path: Path, run_id: str) -> list[dict[str, Any]]:
 
 def _progress(engine: Engine, batch_ids: list[str]) -> dict[str, int]:
     with engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT t.status, count(*) FROM transactions t JOIN batches b ON b.id = t.batch_pk "
-                "WHERE b.batch_id = ANY(:ids) GROUP BY t.status"
-            ),
-            {"ids": batch_ids},
-        ).all()
-    return {str(r[0]): int(r[1]) for r in rows}
+        return reports.transaction_counts(conn, batch_ids)
 
 
 def _batch_summaries(engine: Engine, batch_ids: list[str]) -> list[tuple[str, str, str]]:
     with engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT b.batch_id, b.status, t.status, count(*) FROM batches b "
-                "JOIN transactions t ON t.batch_pk = b.id WHERE b.batch_id = ANY(:ids) "
-                "GROUP BY b.batch_id, b.status, t.status ORDER BY b.batch_id, t.status"
-            ),
-            {"ids": batch_ids},
-        ).all()
+        rows = reports.batch_summaries(conn, batch_ids)
     out: dict[tuple[str, str], list[str]] = {}
     for batch_id, bstatus, tstatus, n in rows:
         out.setdefault((batch_id, bstatus), []).append(f"{tstatus}={n}")
@@ -113,7 +100,7 @@ def run_demo(
         counts: dict[str, int] = {}
         while time.monotonic() < deadline:
             counts = _progress(rt.engine, ids)
-            done = sum(counts.get(k, 0) for k in ("succeeded", "failed", "dead"))
+            done = sum(counts.get(k, 0) for k in TERMINAL_TX_STATUSES)
             _say(
                 f"      {done}/{total} terminal  "
                 + " ".join(f"{k}={v}" for k, v in sorted(counts.items()))

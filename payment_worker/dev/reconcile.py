@@ -10,7 +10,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
+
+from payment_worker.db.reports import transaction_statuses
+from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, TxStatus
 
 
 @dataclass
@@ -60,19 +63,9 @@ def reconcile(
 ) -> Reconciliation:
     """Compare the transactions of ``batch_ids`` (all when None) with the ledger."""
     sent = sent_counts(ledger)
-    if batch_ids is None:
-        rows = conn.execute(text("SELECT account_id, transaction_id, status FROM transactions"))
-    else:
-        rows = conn.execute(
-            text(
-                "SELECT t.account_id, t.transaction_id, t.status FROM transactions t "
-                "JOIN batches b ON b.id = t.batch_pk WHERE b.batch_id = ANY(:ids)"
-            ),
-            {"ids": list(batch_ids)},
-        )
     rec = Reconciliation()
     ours: set[str] = set()
-    for account_id, transaction_id, status in rows:
+    for account_id, transaction_id, status in transaction_statuses(conn, batch_ids):
         key = f"{account_id}/{transaction_id}"
         ours.add(key)
         rec.total += 1
@@ -80,11 +73,11 @@ def reconcile(
         n = sent.get(key, 0)
         if n > 1:
             rec.double_paid.append(key)
-        if status not in ("succeeded", "failed", "dead"):
+        if status not in TERMINAL_TX_STATUSES:
             rec.not_terminal.append(key)
-        elif status == "succeeded" and n == 0:
+        elif status == TxStatus.SUCCEEDED and n == 0:
             rec.succeeded_not_paid.append(key)
-        elif status != "succeeded" and n > 0:
+        elif status != TxStatus.SUCCEEDED and n > 0:
             rec.paid_not_succeeded.append(key)
     if batch_ids is None:
         rec.unknown_to_us = sorted(k for k, n in sent.items() if n > 0 and k not in ours)

@@ -33,6 +33,7 @@ from pydantic import (
 
 from payment_worker.domain.idempotency import fingerprint
 from payment_worker.domain.payment_request import PaymentRequest
+from payment_worker.errors import PaymentWorkerError
 
 IDENTIFIER_MAX_LENGTH = 128
 BANK_CODE_MAX_LENGTH = 32
@@ -206,7 +207,7 @@ def _limit(info: ValidationInfo, name: str) -> int | None:
     return None
 
 
-class InvalidBatch(ValueError):
+class InvalidBatch(PaymentWorkerError, ValueError):
     """A batch that failed validation; ``errors`` lists every problem with its JSON path."""
 
     def __init__(self, errors: list[dict[str, str]]) -> None:
@@ -314,7 +315,7 @@ def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-class RefusedJSON(ValueError):
+class RefusedJSON(PaymentWorkerError, ValueError):
     """Well-formed JSON that :func:`loads` refuses all the same: nested deeper than
     :data:`MAX_JSON_DEPTH`, or holding a string that is not Unicode text."""
 

@@ -11,16 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from payment_worker.db.models import TERMINAL_TX_STATUSES
 from payment_worker.domain.retry import Backoff
+from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, DeadReason, KeyStatus, TxStatus
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
-
-TERMINAL = frozenset(TERMINAL_TX_STATUSES)
-
-# dead-letter reasons
-RETRIES_EXHAUSTED = "retries_exhausted"
-UNKNOWN_UNRESOLVED = "unknown_unresolved"
-FINGERPRINT_MISMATCH = "fingerprint_mismatch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,27 +29,45 @@ class Policy:
 class Decision:
     """The next state of one transaction, and what to write with it."""
 
-    status: str
+    status: TxStatus
     delay: float = 0.0  # seconds until next_attempt_at (non-terminal states)
     payment_id: str | None = None
     error_class: str | None = None
     error: str | None = None
-    key_status: str | None = None  # the idempotency_keys row's new status
-    dead_reason: str | None = None
+    key_status: KeyStatus | None = None  # the idempotency_keys row's new status
+    dead_reason: DeadReason | None = None
     send_now: bool = False  # lookup said "never applied": send again now, same key
 
     @property
     def terminal(self) -> bool:
         """True for succeeded, failed and dead."""
-        return self.status in TERMINAL
+        return self.status in TERMINAL_TX_STATUSES
+
+
+@dataclass(frozen=True, slots=True)
+class ItemOutcome:
+    """A decision about one claimed transaction with its counters: what the worker records.
+
+    The one type from the state machine to the database row (``db.work.record_outcomes``).
+    """
+
+    item_id: int  # transactions.id
+    attempts: int  # sends so far, this step's included
+    lookups: int  # lookups so far, this step's included
+    decision: Decision
 
 
 def _final(result: GatewayResult) -> Decision | None:
     if result.outcome is Outcome.SUCCEEDED:
-        return Decision("succeeded", payment_id=result.payment_id, key_status="applied")
+        return Decision(
+            TxStatus.SUCCEEDED, payment_id=result.payment_id, key_status=KeyStatus.APPLIED
+        )
     if result.outcome is Outcome.DECLINED:
         return Decision(
-            "failed", error_class=result.error_class, error=result.error, key_status="declined"
+            TxStatus.FAILED,
+            error_class=result.error_class,
+            error=result.error,
+            key_status=KeyStatus.DECLINED,
         )
     return None
 
@@ -68,28 +79,31 @@ def after_send(result: GatewayResult, *, attempts: int, lookups: int, policy: Po
         return final
     if result.outcome is Outcome.PERMANENT:
         return Decision(
-            "failed", error_class=result.error_class, error=result.error, key_status="rejected"
+            TxStatus.FAILED,
+            error_class=result.error_class,
+            error=result.error,
+            key_status=KeyStatus.REJECTED,
         )
     if result.outcome is Outcome.RETRY:
         if attempts >= policy.max_attempts:
             return Decision(
-                "dead",
+                TxStatus.DEAD,
                 error_class=result.error_class,
                 error=result.error,
-                key_status="not_applied",
-                dead_reason=RETRIES_EXHAUSTED,
+                key_status=KeyStatus.NOT_APPLIED,
+                dead_reason=DeadReason.RETRIES_EXHAUSTED,
             )
         delay = policy.backoff.delay(attempts, floor=result.retry_after or 0.0)
         return Decision(
-            "retryable",
+            TxStatus.RETRYABLE,
             delay=delay,
             error_class=result.error_class,
             error=result.error,
-            key_status="not_applied",
+            key_status=KeyStatus.NOT_APPLIED,
         )
     # UNKNOWN (and anything unexpected): maybe sent. Only a lookup may decide it.
     return Decision(
-        "unknown",
+        TxStatus.UNKNOWN,
         delay=policy.backoff.delay(lookups + 1),
         error_class=result.error_class,
         error=result.error,
@@ -105,23 +119,23 @@ def after_lookup(result: GatewayResult, *, attempts: int, lookups: int, policy: 
         if attempts >= policy.max_attempts:
             # never applied and out of attempts: safe to give up, nothing was paid
             return Decision(
-                "dead",
+                TxStatus.DEAD,
                 error_class="not_found",
                 error="never applied; attempts exhausted",
-                key_status="not_applied",
-                dead_reason=RETRIES_EXHAUSTED,
+                key_status=KeyStatus.NOT_APPLIED,
+                dead_reason=DeadReason.RETRIES_EXHAUSTED,
             )
-        return Decision("unknown", send_now=True, key_status="not_applied")
+        return Decision(TxStatus.UNKNOWN, send_now=True, key_status=KeyStatus.NOT_APPLIED)
     if lookups >= policy.max_lookups:
         # still unknown: never "failed", because money may have left
         return Decision(
-            "dead",
+            TxStatus.DEAD,
             error_class=result.error_class,
             error=result.error,
-            dead_reason=UNKNOWN_UNRESOLVED,
+            dead_reason=DeadReason.UNKNOWN_UNRESOLVED,
         )
     return Decision(
-        "unknown",
+        TxStatus.UNKNOWN,
         delay=policy.backoff.delay(lookups, floor=result.retry_after or 0.0),
         error_class=result.error_class,
         error=result.error,

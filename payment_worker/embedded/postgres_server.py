@@ -292,12 +292,7 @@ def _restart_postgres(home: Path, os_user: str) -> None:
 
 
 def _ensure_database(home: Path) -> None:
-    import psycopg
+    from payment_worker.db.bootstrap import ensure_database
 
-    with psycopg.connect(pg_url(home, "postgres"), autocommit=True, connect_timeout=10) as conn:
-        exists = conn.execute(
-            "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE_NAME,)
-        ).fetchone()
-        if not exists:
-            conn.execute(f'CREATE DATABASE "{DATABASE_NAME}"')
+    ensure_database(pg_url(home, "postgres"), DATABASE_NAME)
     write_atomic(pg_url_file(home), pg_url(home) + "\n")

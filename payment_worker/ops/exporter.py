@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from payment_worker.db.models import BATCH_STATUSES, TERMINAL_TX_STATUSES, TX_STATUSES
+from payment_worker.db.reports import state_snapshot
+from payment_worker.domain.statuses import BatchStatus, TxStatus
 from payment_worker.ops.logging import get_logger
 
 log = get_logger("exporter")
@@ -25,21 +26,11 @@ log = get_logger("exporter")
 # each scrape is a handful of index-backed aggregates; a slow database must not hang it
 _STATEMENT_TIMEOUT_MS = 5000
 
-_TX_BY_STATUS = text("SELECT status, count(*) FROM transactions GROUP BY status")
-_BATCHES_BY_STATUS = text("SELECT status, count(*) FROM batches GROUP BY status")
-_OPEN_DEAD_LETTERS = text("SELECT count(*) FROM dead_letters WHERE resolved_at IS NULL")
-# spelled like the predicate of the partial indexes on open transactions, so they apply
-_TERMINAL = ", ".join(f"'{s}'" for s in TERMINAL_TX_STATUSES)
-_OLDEST_OPEN_AGE = text(
-    "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0) FROM transactions"
-    f" WHERE status NOT IN ({_TERMINAL})"
-)
 
-
-def _zero_filled(rows: Iterable[tuple[str, int]], statuses: Iterable[str]) -> dict[str, int]:
+def _zero_filled(found: Mapping[str, int], statuses: Iterable[str]) -> dict[str, int]:
     # every status is always exported, so a state that empties shows 0, not a gap
-    counts = dict.fromkeys(statuses, 0)
-    counts.update({status: int(n) for status, n in rows})
+    counts = dict.fromkeys((str(s) for s in statuses), 0)
+    counts.update(found)
     return counts
 
 
@@ -63,12 +54,10 @@ class PostgresStateCollector(Collector):
         )
         try:
             with self._lock, self._engine.begin() as conn:
-                conn.execute(text(f"SET LOCAL statement_timeout = {_STATEMENT_TIMEOUT_MS}"))
-                conn.execute(text("SET LOCAL transaction_read_only = on"))
-                tx = _zero_filled(conn.execute(_TX_BY_STATUS).tuples(), TX_STATUSES)
-                batches = _zero_filled(conn.execute(_BATCHES_BY_STATUS).tuples(), BATCH_STATUSES)
-                dead_open = int(conn.execute(_OPEN_DEAD_LETTERS).scalar_one())
-                oldest = float(conn.execute(_OLDEST_OPEN_AGE).scalar_one())
+                state = state_snapshot(conn, statement_timeout_ms=_STATEMENT_TIMEOUT_MS)
+            tx = _zero_filled(state.transactions, TxStatus)
+            batches = _zero_filled(state.batches, BatchStatus)
+            dead_open, oldest = state.dead_letters_open, state.oldest_open_age
         except Exception as exc:  # any failure is reported as a metric, never as a 500
             log.warning("scrape_failed", error_class=type(exc).__name__, error=str(exc)[:300])
             up.add_metric([], 0)

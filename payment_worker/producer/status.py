@@ -25,7 +25,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from payment_worker.db.batches import StatusRow, stream_status
-from payment_worker.db.models import TX_STATUSES
+from payment_worker.domain.statuses import TxStatus
 from payment_worker.runtime import Runtime
 
 _ERROR_WIDTH = 60
@@ -100,7 +100,7 @@ def write_table(rows: Iterable[StatusRow], out: TextIO) -> list[str]:
             if r.transaction_id is not None
         ]
         counts = Counter(c[1] for c in cells)
-        summary = " ".join(f"{s}={counts[s]}" for s in TX_STATUSES if counts[s])
+        summary = " ".join(f"{s}={counts[s]}" for s in TxStatus if counts[s])
         out.write(
             f"{'' if len(seen) == 1 else chr(10)}batch {head.batch_id}  account {head.account_id}"
             f"  status {head.batch_status}  items {len(cells)}"

@@ -33,6 +33,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from payment_worker.db import batches as db
 from payment_worker.domain import batch_schema as schemas
+from payment_worker.errors import PaymentWorkerError
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     BATCHES_SUBMITTED,
@@ -215,7 +216,7 @@ class _DedupWindow:
             log.warning("dedup_window_unavailable", error=str(exc))
 
 
-class InputError(Exception):
+class InputError(PaymentWorkerError):
     """The submitted input as a whole is unreadable (not JSON, too deep, no such file)."""
 
 

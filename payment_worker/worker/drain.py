@@ -16,10 +16,10 @@ from sqlalchemy import Connection
 
 from payment_worker.db import work as repo
 from payment_worker.domain.payment_request import PaymentRequest
+from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, DeadReason, TxStatus
 from payment_worker.domain.transitions import (
-    FINGERPRINT_MISMATCH,
-    TERMINAL,
     Decision,
+    ItemOutcome,
     after_lookup,
     after_send,
 )
@@ -29,6 +29,7 @@ from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     BATCH_SECONDS,
     DEAD_LETTERS,
+    FENCING_REJECTIONS,
     IN_PROGRESS,
     LOOKUPS,
     TASK_EXECUTIONS,
@@ -145,6 +146,8 @@ def _drain(res: Runtime, lock: AccountLock, batch_id: str, report: DrainReport) 
             report.result = "lock_lost"
             log.warning("lock_lost", account_id=account_id, reason=str(exc))
         except FencedOut as exc:
+            # counted here, once: the data layer only raises
+            FENCING_REJECTIONS.inc()
             report.result = "fenced_out"
             log.warning("fenced_out", account_id=account_id, reason=str(exc))
 
@@ -167,7 +170,7 @@ def _process_chunk(
     items: list[repo.ClaimedItem],
     report: DrainReport,
 ) -> None:
-    outcomes: list[repo.Outcome] = []
+    outcomes: list[ItemOutcome] = []
     try:
         for item in items:
             outcomes.append(_process_item(res, lock, item))
@@ -179,32 +182,17 @@ def _process_chunk(
             repo.record_outcomes(conn, report.account_id, token, outcomes)
             report.items += len(outcomes)
             report.result = "processed"
-            for o in outcomes:
-                if o.status in TERMINAL:
-                    report.finished[o.status] = report.finished.get(o.status, 0) + 1
-                    TRANSACTIONS_FINISHED.labels(o.status).inc()
-                    if o.dead_reason:
-                        DEAD_LETTERS.labels(o.dead_reason).inc()
+            for d in (o.decision for o in outcomes):
+                if d.status in TERMINAL_TX_STATUSES:
+                    report.finished[d.status] = report.finished.get(d.status, 0) + 1
+                    TRANSACTIONS_FINISHED.labels(d.status).inc()
+                    if d.dead_reason:
+                        DEAD_LETTERS.labels(d.dead_reason).inc()
                 else:
-                    TRANSACTION_RETRIES.labels(o.status).inc()
+                    TRANSACTION_RETRIES.labels(d.status).inc()
 
 
-def _outcome(item: repo.ClaimedItem, d: Decision, attempts: int, lookups: int) -> repo.Outcome:
-    return repo.Outcome(
-        id=item.id,
-        status=d.status,
-        attempts=attempts,
-        lookups=lookups,
-        delay=d.delay,
-        payment_id=d.payment_id,
-        error_class=d.error_class,
-        error=d.error,
-        key_status=d.key_status,
-        dead_reason=d.dead_reason,
-    )
-
-
-def _process_item(res: Runtime, lock: AccountLock, item: repo.ClaimedItem) -> repo.Outcome:
+def _process_item(res: Runtime, lock: AccountLock, item: repo.ClaimedItem) -> ItemOutcome:
     request = PaymentRequest(
         account_id=item.account_id,
         transaction_id=item.transaction_id,
@@ -217,15 +205,15 @@ def _process_item(res: Runtime, lock: AccountLock, item: repo.ClaimedItem) -> re
     if item.request_fingerprint is not None and request.fingerprint() != item.request_fingerprint:
         # the row no longer matches what was accepted: never send a different body under the key
         d = Decision(
-            "dead",
+            TxStatus.DEAD,
             error_class="fingerprint_mismatch",
             error="request body differs from the accepted one",
-            dead_reason=FINGERPRINT_MISMATCH,
+            dead_reason=DeadReason.FINGERPRINT_MISMATCH,
         )
-        return _outcome(item, d, attempts, lookups)
+        return ItemOutcome(item.id, attempts, lookups, d)
     policy = res.policy
     # ensure_held() runs inside the client right before each send (after any pacing wait)
-    if item.status == "unknown":
+    if item.status is TxStatus.UNKNOWN:
         found = res.gateway.lookup_payment(
             item.account_id, item.idempotency_key, guard=lock.ensure_held
         )
@@ -233,10 +221,10 @@ def _process_item(res: Runtime, lock: AccountLock, item: repo.ClaimedItem) -> re
         LOOKUPS.labels(found.outcome.value).inc()
         d = after_lookup(found, attempts=attempts, lookups=lookups, policy=policy)
         if not d.send_now:
-            return _outcome(item, d, attempts, lookups)
+            return ItemOutcome(item.id, attempts, lookups, d)
         attempts += 1  # never applied: send again under the same key
     result = res.gateway.create_payment(
         item.account_id, request, item.idempotency_key, guard=lock.ensure_held
     )
     d = after_send(result, attempts=attempts, lookups=lookups, policy=policy)
-    return _outcome(item, d, attempts, lookups)
+    return ItemOutcome(item.id, attempts, lookups, d)

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine
 
-from payment_worker.db.models import TX_STATUSES
+from payment_worker.domain.statuses import TxStatus
 from payment_worker.ops.exporter import PostgresStateCollector
 
 
@@ -110,7 +110,7 @@ def test_exporter_serves_state_from_postgres(
     resp = httpx.get(exporter, timeout=10)
     assert resp.status_code == 200
     m = _samples(resp.text)
-    tx = {status: m[("pw_transactions", (("status", status),))] for status in TX_STATUSES}
+    tx = {status: m[("pw_transactions", (("status", status),))] for status in TxStatus}
     expected = {"pending": 2, "dispatching": 0, "retryable": 1, "unknown": 1}
     assert tx == {**expected, "succeeded": 1, "failed": 1, "dead": 1}
     assert m[("pw_batches", (("status", "processing"),))] == 1

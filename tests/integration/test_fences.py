@@ -1,4 +1,8 @@
-"""Fencing tokens and fenced writes on real rows of the transactions table."""
+"""Fencing tokens and fenced writes on real rows of the transactions table.
+
+The writes here are fenced exactly like the worker's (``FENCE_CTE`` + ``execute_fenced``);
+``claim_due``/``record_outcomes`` against a stale token are in test_processing.py.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +14,23 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import Engine, text, update
+from sqlalchemy import Engine, text
 
 from payment_worker.db import fences
 from payment_worker.db.engine import make_engine
-from payment_worker.db.models import transactions
 from payment_worker.errors import FencedOut
 from tests.conftest import PwEnv
 
 ACCOUNT = "acct-fence"
-FENCED_UPDATE = text(
-    "UPDATE transactions SET status = :status, fence_token = :fence_token, updated_at = now()"
-    " WHERE id = :id AND status = :expected AND " + fences.FENCE_GUARD_SQL
+FENCED_UPDATE = text(f"""
+WITH {fences.FENCE_CTE},
+upd AS (
+    UPDATE transactions t SET status = :status, fence_token = :tok, updated_at = now()
+    FROM fence WHERE t.id = :id AND t.status = :expected
+    RETURNING t.id
 )
+SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok
+""")
 
 
 def _rejections() -> float:
@@ -69,25 +77,36 @@ def _next(engine: Engine, account_id: str = ACCOUNT) -> int:
         return fences.next_fence_token(conn, account_id)
 
 
-def _write(engine: Engine, pk: int, token: int, status: str, expected: str) -> Any:
+def _current(engine: Engine, account_id: str) -> int:
+    with engine.connect() as conn:
+        token = conn.execute(
+            text("SELECT fence_token FROM account_fences WHERE account_id = :a"), {"a": account_id}
+        ).scalar_one_or_none()
+    return 0 if token is None else int(token)
+
+
+def _fenced_update(conn: Any, pk: int, token: int, status: str, expected: str) -> int:
+    rows = fences.execute_fenced(
+        conn,
+        FENCED_UPDATE,
+        {"id": pk, "status": status, "expected": expected},
+        account_id=ACCOUNT,
+        token=token,
+    )
+    return int(rows[0]["updated"])
+
+
+def _write(engine: Engine, pk: int, token: int, status: str, expected: str) -> int:
     with engine.begin() as conn:
-        return fences.execute_fenced(
-            conn,
-            FENCED_UPDATE,
-            {"id": pk, "status": status, "expected": expected},
-            account_id=ACCOUNT,
-            fence_token=token,
-        ).rowcount
+        return _fenced_update(conn, pk, token, status, expected)
 
 
 def test_tokens_start_at_one_grow_and_are_per_account(engine: Engine) -> None:
-    with engine.begin() as conn:
-        assert fences.current_fence_token(conn, ACCOUNT) == 0
+    assert _current(engine, ACCOUNT) == 0
     assert [_next(engine) for _ in range(3)] == [1, 2, 3]
     assert _next(engine, "other") == 1
-    with engine.begin() as conn:
-        assert fences.current_fence_token(conn, ACCOUNT) == 3
-        assert fences.current_fence_token(conn, "other") == 1
+    assert _current(engine, ACCOUNT) == 3
+    assert _current(engine, "other") == 1
 
 
 def test_concurrent_acquisitions_get_distinct_growing_tokens(engine: Engine) -> None:
@@ -105,7 +124,8 @@ def test_current_holder_writes_and_older_holder_is_fenced_out(engine: Engine) ->
     before = _rejections()
     with pytest.raises(FencedOut):
         _write(engine, pk, old, "succeeded", "dispatching")
-    assert _rejections() == before + 1
+    # the data layer only raises; the caller that handles FencedOut counts it
+    assert _rejections() == before
     # the old holder changed nothing; the new one still can
     assert _row(engine, pk) == ("dispatching", old)
     assert _write(engine, pk, new, "succeeded", "dispatching") == 1
@@ -128,37 +148,7 @@ def test_token_without_any_acquisition_is_fenced_out(engine: Engine) -> None:
     assert _row(engine, pk) == ("pending", 0)
 
 
-def test_fence_guard_clause_in_a_core_update(engine: Engine) -> None:
-    pk = _insert_tx(engine)
-    old, new = _next(engine), _next(engine)
-
-    def stmt(token: int) -> Any:
-        return (
-            update(transactions)
-            .where(transactions.c.id == pk, fences.fence_guard(ACCOUNT, token))
-            .values(status="dispatching", fence_token=token)
-        )
-
-    with engine.begin() as conn:
-        assert conn.execute(stmt(old)).rowcount == 0
-        with pytest.raises(FencedOut):
-            fences.execute_fenced(conn, stmt(old), None, account_id=ACCOUNT, fence_token=old)
-    with engine.begin() as conn:
-        res = fences.execute_fenced(conn, stmt(new), None, account_id=ACCOUNT, fence_token=new)
-        assert res.rowcount == 1
-    assert _row(engine, pk) == ("dispatching", new)
-
-
-def test_check_fence(engine: Engine) -> None:
-    token = _next(engine)
-    with engine.begin() as conn:
-        fences.check_fence(conn, ACCOUNT, token)
-    _next(engine)
-    with engine.begin() as conn, pytest.raises(FencedOut):
-        fences.check_fence(conn, ACCOUNT, token)
-
-
-def test_guard_waits_for_an_uncommitted_newer_token_then_changes_nothing(engine: Engine) -> None:
+def test_fence_waits_for_an_uncommitted_newer_token_then_changes_nothing(engine: Engine) -> None:
     """A newer token being issued concurrently: the old writer waits, then is fenced out."""
     pk = _insert_tx(engine)
     old = _next(engine)
@@ -176,7 +166,7 @@ def test_guard_waits_for_an_uncommitted_newer_token_then_changes_nothing(engine:
         t = threading.Thread(target=old_writer)
         t.start()
         time.sleep(0.3)
-        assert t.is_alive(), "the guard must wait for the uncommitted newer token"
+        assert t.is_alive(), "the fence must wait for the uncommitted newer token"
         committed_at = time.monotonic()
         tx.commit()
         t.join(5)
@@ -186,21 +176,14 @@ def test_guard_waits_for_an_uncommitted_newer_token_then_changes_nothing(engine:
     assert new == old + 1
 
 
-def test_newer_token_waits_until_a_passed_guard_commits(engine: Engine) -> None:
-    """A write whose guard passed holds the fence row: the next token comes after its commit."""
+def test_newer_token_waits_until_a_passed_fence_commits(engine: Engine) -> None:
+    """A write whose fence passed holds the fence row: the next token comes after its commit."""
     pk = _insert_tx(engine)
     old = _next(engine)
     issued: dict[str, Any] = {}
     with engine.connect() as writer:
         tx = writer.begin()
-        rows = fences.execute_fenced(
-            writer,
-            FENCED_UPDATE,
-            {"id": pk, "status": "dispatching", "expected": "pending"},
-            account_id=ACCOUNT,
-            fence_token=old,
-        ).rowcount
-        assert rows == 1
+        assert _fenced_update(writer, pk, old, "dispatching", "pending") == 1
 
         def issuer() -> None:
             issued["token"] = _next(engine)
@@ -211,14 +194,7 @@ def test_newer_token_waits_until_a_passed_guard_commits(engine: Engine) -> None:
         time.sleep(0.3)
         assert t.is_alive(), "next_fence_token must wait for the fenced transaction"
         # still inside the fenced transaction: a second write is fenced too
-        rows = fences.execute_fenced(
-            writer,
-            FENCED_UPDATE,
-            {"id": pk, "status": "unknown", "expected": "dispatching"},
-            account_id=ACCOUNT,
-            fence_token=old,
-        ).rowcount
-        assert rows == 1
+        assert _fenced_update(writer, pk, old, "unknown", "dispatching") == 1
         committed_at = time.monotonic()
         tx.commit()
         t.join(5)

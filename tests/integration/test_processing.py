@@ -163,6 +163,8 @@ def test_old_holder_is_fenced_out(
 ) -> None:
     from payment_worker.db import work as repo
     from payment_worker.db.fences import next_fence_token
+    from payment_worker.domain.statuses import TxStatus
+    from payment_worker.domain.transitions import Decision, ItemOutcome
     from payment_worker.errors import FencedOut
 
     batches = make_batches(batches=1, items=2, accounts=1, prefix="f")
@@ -179,16 +181,44 @@ def test_old_holder_is_fenced_out(
                 conn,
                 "acct-0000",
                 old,
-                [repo.Outcome(id=i.id, status="succeeded", attempts=1, lookups=0) for i in items],
+                [ItemOutcome(i.id, 1, 0, Decision(TxStatus.SUCCEEDED)) for i in items],
             )
         with pytest.raises(FencedOut):
             repo.claim_due(conn, "acct-0000", old, 10)
         assert _statuses(db_conn) == {"dispatching": 2}
-        done = [repo.Outcome(id=i.id, status="succeeded", attempts=1, lookups=0) for i in items]
+        done = [ItemOutcome(i.id, 1, 0, Decision(TxStatus.SUCCEEDED)) for i in items]
         assert repo.record_outcomes(conn, "acct-0000", new, done) == 2
         # completing the batch is fenced too: the old holder changes nothing, the new one does
         assert repo.complete_batches(conn, "acct-0000", old) == []
         assert repo.complete_batches(conn, "acct-0000", new) == [batches[0]["batch_id"]]
+
+
+def test_a_fenced_out_drain_stops_and_counts_one_rejection(
+    res: runtime.Runtime,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from prometheus_client import REGISTRY
+
+    from payment_worker.db import work as repo
+    from payment_worker.db.fences import next_fence_token
+
+    batches = make_batches(batches=1, items=2, accounts=1, prefix="r")
+    _submit(batches)
+    real_claim = repo.claim_due
+
+    def claim_after_a_takeover(*args: Any) -> list[repo.ClaimedItem]:
+        # a newer holder got a token after this one: the real claim is fenced out
+        with res.engine.begin() as conn:
+            next_fence_token(conn, "acct-0000")
+        return real_claim(*args)
+
+    monkeypatch.setattr(repo, "claim_due", claim_after_a_takeover)
+    before = REGISTRY.get_sample_value("pw_fencing_rejections_total") or 0.0
+    report = processing.run_account("acct-0000", batches[0]["batch_id"], res)
+    assert report.result == "fenced_out" and report.items == 0
+    assert REGISTRY.get_sample_value("pw_fencing_rejections_total") == before + 1
+    assert _statuses(db_conn) == {"pending": 2}
 
 
 def test_a_long_drain_hands_the_account_back_to_the_queue(

@@ -7,13 +7,8 @@ import random
 import pytest
 
 from payment_worker.domain.retry import Backoff
-from payment_worker.domain.transitions import (
-    RETRIES_EXHAUSTED,
-    UNKNOWN_UNRESOLVED,
-    Policy,
-    after_lookup,
-    after_send,
-)
+from payment_worker.domain.statuses import DeadReason
+from payment_worker.domain.transitions import Policy, after_lookup, after_send
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
 
 POLICY = Policy(max_attempts=3, max_lookups=2, backoff=Backoff(base=1.0, cap=10.0))
@@ -48,7 +43,7 @@ def test_retry_backs_off_and_honours_retry_after() -> None:
 
 def test_retries_exhausted_goes_dead_with_reason() -> None:
     d = after_send(r(Outcome.RETRY, 503), attempts=3, lookups=0, policy=POLICY)
-    assert (d.status, d.dead_reason) == ("dead", RETRIES_EXHAUSTED)
+    assert (d.status, d.dead_reason) == ("dead", DeadReason.RETRIES_EXHAUSTED)
 
 
 def test_unknown_is_never_failed() -> None:
@@ -57,7 +52,7 @@ def test_unknown_is_never_failed() -> None:
     d = after_lookup(r(Outcome.IN_FLIGHT, 409), attempts=1, lookups=1, policy=POLICY)
     assert d.status == "unknown"
     d = after_lookup(r(Outcome.UNKNOWN, None), attempts=1, lookups=2, policy=POLICY)
-    assert (d.status, d.dead_reason) == ("dead", UNKNOWN_UNRESOLVED)
+    assert (d.status, d.dead_reason) == ("dead", DeadReason.UNKNOWN_UNRESOLVED)
 
 
 def test_lookup_outcomes() -> None:
@@ -70,7 +65,7 @@ def test_lookup_outcomes() -> None:
     d = after_lookup(r(Outcome.NOT_FOUND, 404), attempts=1, lookups=1, policy=POLICY)
     assert d.send_now and d.status == "unknown"
     d = after_lookup(r(Outcome.NOT_FOUND, 404), attempts=3, lookups=1, policy=POLICY)
-    assert (d.status, d.dead_reason) == ("dead", RETRIES_EXHAUSTED)
+    assert (d.status, d.dead_reason) == ("dead", DeadReason.RETRIES_EXHAUSTED)
 
 
 @pytest.mark.parametrize("attempt", [1, 2, 5, 10, 80])

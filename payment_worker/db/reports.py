@@ -1,0 +1,87 @@
+"""Read-only reports on what the database holds, for the tools and the exporter.
+
+The SQL of ``payment-worker demo``, of the reconciliation with the gateway ledger and of the
+exporter's gauges. Each function takes a Connection and returns plain data; none writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, text
+
+from payment_worker.db.models import OPEN_TX_PREDICATE
+
+_TX_COUNTS_OF_BATCHES = text(
+    "SELECT t.status, count(*) FROM transactions t JOIN batches b ON b.id = t.batch_pk "
+    "WHERE b.batch_id = ANY(:ids) GROUP BY t.status"
+)
+_BATCH_SUMMARIES = text(
+    "SELECT b.batch_id, b.status, t.status, count(*) FROM batches b "
+    "JOIN transactions t ON t.batch_pk = b.id WHERE b.batch_id = ANY(:ids) "
+    "GROUP BY b.batch_id, b.status, t.status ORDER BY b.batch_id, t.status"
+)
+_TX_STATUSES_ALL = text("SELECT account_id, transaction_id, status FROM transactions")
+_TX_STATUSES_OF_BATCHES = text(
+    "SELECT t.account_id, t.transaction_id, t.status FROM transactions t "
+    "JOIN batches b ON b.id = t.batch_pk WHERE b.batch_id = ANY(:ids)"
+)
+
+_TX_BY_STATUS = text("SELECT status, count(*) FROM transactions GROUP BY status")
+_BATCHES_BY_STATUS = text("SELECT status, count(*) FROM batches GROUP BY status")
+_OPEN_DEAD_LETTERS = text("SELECT count(*) FROM dead_letters WHERE resolved_at IS NULL")
+# spelled like the predicate of the partial indexes on open transactions, so they apply
+_OLDEST_OPEN_AGE = text(
+    "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0) FROM transactions"
+    f" WHERE {OPEN_TX_PREDICATE}"
+)
+
+
+def transaction_counts(conn: Connection, batch_ids: Sequence[str]) -> dict[str, int]:
+    """Transactions of the named batches per status (statuses without any left out)."""
+    rows = conn.execute(_TX_COUNTS_OF_BATCHES, {"ids": list(batch_ids)}).all()
+    return {str(r[0]): int(r[1]) for r in rows}
+
+
+def batch_summaries(conn: Connection, batch_ids: Sequence[str]) -> list[tuple[str, str, str, int]]:
+    """``(batch_id, batch status, transaction status, count)`` of the named batches, ordered by
+    batch id, then transaction status."""
+    rows = conn.execute(_BATCH_SUMMARIES, {"ids": list(batch_ids)}).all()
+    return [(str(b), str(bs), str(ts), int(n)) for b, bs, ts, n in rows]
+
+
+def transaction_statuses(
+    conn: Connection, batch_ids: Iterable[str] | None = None
+) -> list[tuple[str, str, str]]:
+    """``(account_id, transaction_id, status)`` of every transaction of the named batches
+    (of every batch when None)."""
+    if batch_ids is None:
+        result = conn.execute(_TX_STATUSES_ALL)
+    else:
+        result = conn.execute(_TX_STATUSES_OF_BATCHES, {"ids": list(batch_ids)})
+    return [(str(a), str(t), str(s)) for a, t, s in result]
+
+
+@dataclass(frozen=True, slots=True)
+class StateSnapshot:
+    """What the database holds right now (the exporter's gauges)."""
+
+    transactions: dict[str, int]  # per status; statuses without any left out
+    batches: dict[str, int]  # per status; statuses without any left out
+    dead_letters_open: int
+    oldest_open_age: (
+        float  # seconds since the oldest non-terminal transaction was created; 0 if none
+    )
+
+
+def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnapshot:
+    """Read the state gauges in the caller's transaction, made read-only, each statement
+    bounded by ``statement_timeout_ms`` (``SET LOCAL``: both end with the transaction)."""
+    conn.execute(text(f"SET LOCAL statement_timeout = {int(statement_timeout_ms)}"))
+    conn.execute(text("SET LOCAL transaction_read_only = on"))
+    tx = {str(s): int(n) for s, n in conn.execute(_TX_BY_STATUS)}
+    batches = {str(s): int(n) for s, n in conn.execute(_BATCHES_BY_STATUS)}
+    dead_open = int(conn.execute(_OPEN_DEAD_LETTERS).scalar_one())
+    oldest = float(conn.execute(_OLDEST_OPEN_AGE).scalar_one())
+    return StateSnapshot(tx, batches, dead_open, oldest)
