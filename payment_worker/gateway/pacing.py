@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import redis
 
 from payment_worker.ops.metrics import GATEWAY_PACING_WAIT_SECONDS
+from payment_worker.redis_keys import RedisKeys
 
 # KEYS[1] bucket; ARGV: rate (per s), burst (tokens).
 # Returns 0 when a slot was taken, else the milliseconds to wait before asking again.
@@ -81,7 +82,7 @@ class Pacer:
     ) -> None:
         # burst 1: strict spacing of 1/rate, which any gateway-side window of `rate`/s accepts
         self._redis = redis_client
-        self._prefix = prefix
+        self._keys = RedisKeys(prefix)
         self._burst = burst
         self._max_poll = max_poll
         self._acquire = redis_client.register_script(_ACQUIRE)
@@ -89,7 +90,7 @@ class Pacer:
 
     def key(self, account_id: str) -> str:
         """The Redis key of an account's bucket."""
-        return f"{self._prefix}:pace:{{{account_id}}}"
+        return self._keys.pace(account_id)
 
     def try_acquire(self, account_id: str, rate: float) -> float:
         """Take a slot now if one is free: 0.0, else the seconds to wait before asking again."""

@@ -38,6 +38,7 @@ from payment_worker.gateway.outcomes import (
 )
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import GATEWAY_TOKEN_REFRESHES
+from payment_worker.redis_keys import RedisKeys
 
 log = get_logger("gateway.tokens")
 
@@ -105,7 +106,7 @@ class TokenManager:
     ) -> None:
         self._redis = redis_client
         self._fetch = fetch
-        self._prefix = prefix
+        self._keys = RedisKeys(prefix)
         self._fraction = refresh_fraction
         self._lock_ttl_ms = max(1000, int(lock_ttl * 1000))
         self._poll = poll_interval
@@ -120,11 +121,11 @@ class TokenManager:
     # --- keys ---------------------------------------------------------------------------
     def token_key(self, account_id: str) -> str:
         """The Redis key of an account's shared token."""
-        return f"{self._prefix}:token:{{{account_id}}}"
+        return self._keys.token(account_id)
 
     def lock_key(self, account_id: str) -> str:
         """The Redis key of an account's refresh lock."""
-        return f"{self._prefix}:token-lock:{{{account_id}}}"
+        return self._keys.token_lock(account_id)
 
     # --- reading ----------------------------------------------------------------------
     def cached(self, account_id: str) -> CachedToken | None:

@@ -14,7 +14,8 @@
   oldest live waiter and wakes it with a push to its own list (BLPOP), so nobody
   polls and nobody starves.
 
-docs/locks.md describes the keys, scripts and rules.
+docs/locks.md describes the keys, scripts and rules; the key names are spelled in
+:mod:`payment_worker.redis_keys`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from payment_worker.ops.metrics import (
     LOCK_RELEASE_NOT_OWNER,
     LOCK_RENEWALS,
 )
+from payment_worker.redis_keys import RedisKeys
 from payment_worker.settings import get_settings
 
 log = get_logger("locks")
@@ -155,8 +157,12 @@ return 0
 
 def lock_key(account_id: str, key_prefix: str | None = None) -> str:
     """The Redis key of an account's lock: ``{prefix}:lock:{account_id}`` with a hash tag."""
-    prefix = key_prefix if key_prefix is not None else get_settings().redis_key_prefix
-    return f"{prefix}:lock:{{{account_id}}}"
+    return _keys(key_prefix).lock(account_id)
+
+
+def _keys(key_prefix: str | None) -> RedisKeys:
+    """The key names under ``key_prefix``, or under ``REDIS_KEY_PREFIX`` when None."""
+    return RedisKeys(key_prefix if key_prefix is not None else get_settings().redis_key_prefix)
 
 
 def lock_is_held(redis: redis.Redis, account_id: str, key_prefix: str | None = None) -> bool:
@@ -242,14 +248,15 @@ class AccountLock:
         )
         if self.ttl_ms <= 0 or not 0 <= self.safety_margin_ms < self.ttl_ms:
             raise ValueError("need ttl_ms > 0 and 0 <= safety_margin_ms < ttl_ms")
-        self.key = lock_key(account_id, key_prefix)
+        self._keys = _keys(key_prefix)
+        self.key = self._keys.lock(account_id)
         self.fence_token: int | None = None
         self.lost_reason: str | None = None
         self._redis = redis
         self._engine = engine
         self._on_lost = on_lost
-        self._queue_key = f"{self.key}:queue"
-        self._waiters_key = f"{self.key}:waiters"
+        self._queue_key = self._keys.lock_queue(account_id)
+        self._waiters_key = self._keys.lock_waiters(account_id)
         self._state = threading.Lock()
         self._token: str | None = None
         self._deadline = 0.0
@@ -334,7 +341,7 @@ class AccountLock:
         # a waiter that stops refreshing (killed, paused) is skipped after its lease
         lease_ms = int((2 * slice_s + 1.0) * 1000)
         keys = [self.key, self._queue_key, self._waiters_key]
-        wake_key = f"{self.key}:wake:{token}"
+        wake_key = self._keys.lock_wake(self.account_id, token)
         try:
             sent = _clock()
             if self._wait(keys=keys, args=[token, self.ttl_ms, lease_ms]) == 1:
@@ -467,7 +474,7 @@ class AccountLock:
             code = int(reply[0])
             if code == 2:
                 nxt = _text(reply[1])
-                wake = f"{self.key}:wake:{nxt}"
+                wake = self._keys.lock_wake(self.account_id, nxt)
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.lpush(wake, 1)
                 pipe.pexpire(wake, self.ttl_ms)

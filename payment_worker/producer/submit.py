@@ -42,6 +42,7 @@ from payment_worker.ops.metrics import (
     ENQUEUE_FAILURES,
     SUBMIT_DUPLICATES,
 )
+from payment_worker.redis_keys import RedisKeys
 from payment_worker.services import redis_url
 from payment_worker.settings import Settings, get_settings
 
@@ -201,7 +202,7 @@ class _DedupWindow:
 
     def __init__(self, s: Settings) -> None:
         self._ttl = s.dedup_window_seconds
-        self._prefix = f"{s.redis_key_prefix}:submit:"
+        self._keys = RedisKeys(s.redis_key_prefix)
         self._client = self._client_for(redis_url(s))
 
     @classmethod
@@ -218,7 +219,7 @@ class _DedupWindow:
     def seen(self, batch_id: str, fp: str) -> bool:
         """True when this batch_id was saved with this very content within the window."""
         try:
-            return self._client.get(self._prefix + batch_id) == fp.encode()
+            return self._client.get(self._keys.submit_dedup(batch_id)) == fp.encode()
         except redis.RedisError as exc:
             log.warning("dedup_window_unavailable", error=str(exc))
             return False
@@ -226,7 +227,7 @@ class _DedupWindow:
     def remember(self, batch_id: str, fp: str) -> None:
         """Open the window; NX, so repeats never stretch it beyond its first TTL."""
         try:
-            self._client.set(self._prefix + batch_id, fp, nx=True, ex=self._ttl)
+            self._client.set(self._keys.submit_dedup(batch_id), fp, nx=True, ex=self._ttl)
         except redis.RedisError as exc:
             log.warning("dedup_window_unavailable", error=str(exc))
 

@@ -42,6 +42,7 @@ from payment_worker.ops.metrics import (
     TRANSACTION_RETRIES,
     TRANSACTIONS_FINISHED,
 )
+from payment_worker.redis_keys import RedisKeys
 from payment_worker.services import redis_url
 from payment_worker.settings import Settings, get_settings
 
@@ -67,9 +68,10 @@ class Resources:
             backoff=Backoff(base=s.retry_base_delay, cap=s.retry_max_delay),
         )
 
-    def key(self, kind: str, account_id: str) -> str:
-        """A Redis key of the account; the hash tag keeps an account's keys in one slot."""
-        return f"{self.settings.redis_key_prefix}:{kind}:{{{account_id}}}"
+    @property
+    def keys(self) -> RedisKeys:
+        """The Redis key names under the configured ``REDIS_KEY_PREFIX``."""
+        return RedisKeys(self.settings.redis_key_prefix)
 
 
 _res_lock = threading.Lock()
@@ -127,7 +129,7 @@ def run_batch_task(batch_id: str) -> DrainReport:
 def run_account(account_id: str, batch_id: str, res: Resources | None = None) -> DrainReport:
     """Drain the account's due work if its lock is free; otherwise leave a mark and return."""
     res = res or resources()
-    waiting = res.key("waiting", account_id)
+    waiting = res.keys.waiting(account_id)
     # mark before trying the lock: the holder checks the mark after it releases, so work
     # announced here is either seen by the holder or finds the lock free
     res.redis.set(waiting, batch_id, px=res.settings.lock_ttl_ms * 4)
@@ -244,7 +246,7 @@ def _schedule(
     # nothing due and schedules again
     wait = min(max(wait, 0.0), res.settings.visibility_timeout * 0.5)
     report.scheduled_in = wait
-    marker = res.key("scheduled", account_id)
+    marker = res.keys.scheduled(account_id)
     # the marker outlives the countdown a little; the sweeper covers a lost delayed message
     if res.redis.set(marker, batch_id, nx=True, px=int((wait + 5.0) * 1000)):
         try:
