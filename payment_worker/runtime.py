@@ -26,6 +26,7 @@ from payment_worker.domain.transitions import Policy
 from payment_worker.gateway.client import GatewayClient
 from payment_worker.locks.account_lock import AccountLock
 from payment_worker.locks.watchdog import renewal_client
+from payment_worker.redis_keys import RedisKeys
 from payment_worker.settings import Settings, load_settings
 
 
@@ -84,6 +85,7 @@ class Runtime:
             self.urls.redis, socket_timeout=1.0, socket_connect_timeout=1.0
         )
         self.gateway = GatewayClient(s, self.redis)
+        self.keys = RedisKeys(s.redis_key_prefix)
 
     @property
     def policy(self) -> Policy:
@@ -112,10 +114,6 @@ class Runtime:
             key_prefix=s.redis_key_prefix,
             renewal_redis=self.renewal_redis,
         )
-
-    def key(self, kind: str, account_id: str) -> str:
-        """A Redis key of the account; the hash tag keeps an account's keys in one slot."""
-        return f"{self.settings.redis_key_prefix}:{kind}:{{{account_id}}}"
 
     def close(self) -> None:
         """Close every client (end of a command, of a test, or of the process)."""

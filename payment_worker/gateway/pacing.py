@@ -15,49 +15,13 @@ from dataclasses import dataclass
 
 import redis
 
+from payment_worker import lua
 from payment_worker.ops.metrics import GATEWAY_PACING_WAIT_SECONDS
+from payment_worker.redis_keys import RedisKeys
 
-# KEYS[1] bucket; ARGV: rate (per s), burst (tokens).
-# Returns 0 when a slot was taken, else the milliseconds to wait before asking again.
-_ACQUIRE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rate = tonumber(ARGV[1]) / 1000
-local burst = tonumber(ARGV[2])
-local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts', 'until')
-local tokens = tonumber(v[1]) or burst
-local ts = tonumber(v[2]) or now
-local untl = tonumber(v[3]) or 0
-if now < untl then
-  return untl - now
-end
-if now > ts then
-  tokens = math.min(burst, tokens + (now - ts) * rate)
-  ts = now
-end
-local ttl = math.ceil(burst / rate) + 1000
-if tokens >= 1 then
-  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'ts', tostring(ts))
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  return 0
-end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(ts))
-redis.call('PEXPIRE', KEYS[1], ttl)
-return math.max(1, math.ceil((1 - tokens) / rate))
-"""
-
-# KEYS[1] bucket; ARGV: cooldown ms. The bucket restarts empty when the cooldown ends, so the
-# first request after it goes at `until` + one interval, never earlier.
-_COOLDOWN = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local untl = now + tonumber(ARGV[1])
-local old = tonumber(redis.call('HGET', KEYS[1], 'until')) or 0
-if old > untl then untl = old end
-redis.call('HSET', KEYS[1], 'until', tostring(untl), 'tokens', '0', 'ts', tostring(untl))
-redis.call('PEXPIRE', KEYS[1], (untl - now) + 60000)
-return untl - now
-"""
+# take a slot (0, or the ms to wait) and record a 429's cooldown, on the server's clock
+_ACQUIRE = lua.load("pace_acquire")
+_COOLDOWN = lua.load("pace_cooldown")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +45,7 @@ class Pacer:
     ) -> None:
         # burst 1: strict spacing of 1/rate, which any gateway-side window of `rate`/s accepts
         self._redis = redis_client
-        self._prefix = prefix
+        self._keys = RedisKeys(prefix)
         self._burst = burst
         self._max_poll = max_poll
         self._acquire = redis_client.register_script(_ACQUIRE)
@@ -89,7 +53,7 @@ class Pacer:
 
     def key(self, account_id: str) -> str:
         """The Redis key of an account's bucket."""
-        return f"{self._prefix}:pace:{{{account_id}}}"
+        return self._keys.pace(account_id)
 
     def try_acquire(self, account_id: str, rate: float) -> float:
         """Take a slot now if one is free: 0.0, else the seconds to wait before asking again."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import httpx
 import redis
 
+from payment_worker import lua
 from payment_worker.gateway.outcomes import (
     GatewayResult,
     Outcome,
@@ -38,36 +39,16 @@ from payment_worker.gateway.outcomes import (
 )
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import GATEWAY_TOKEN_REFRESHES
+from payment_worker.redis_keys import RedisKeys
 
 log = get_logger("gateway.tokens")
 
 # a process-local copy of a token is dropped this long before the token comes due
 _LOCAL_MARGIN_MS = 100
 
-# KEYS[1] lock; ARGV[1] owner. Deletes the lock only if it is still ours.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-# KEYS[1] lock, KEYS[2] token hash; ARGV: owner, token, lead_ms, ttl_ms.
-# Writes the token only while we still hold the lock: a refresher whose lock expired
-# must not overwrite a newer token.
-_STORE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return 0
-end
-local ttl = tonumber(ARGV[4])
-if ttl <= 0 then
-  return 0
-end
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'token', ARGV[2], 'lead_ms', ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ttl)
-return 1
-"""
+# owner-checked: release the refresh lock, and store a token only while holding it
+_RELEASE = lua.load("token_release")
+_STORE = lua.load("token_store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +86,7 @@ class TokenManager:
     ) -> None:
         self._redis = redis_client
         self._fetch = fetch
-        self._prefix = prefix
+        self._keys = RedisKeys(prefix)
         self._fraction = refresh_fraction
         self._lock_ttl_ms = max(1000, int(lock_ttl * 1000))
         self._poll = poll_interval
@@ -120,11 +101,11 @@ class TokenManager:
     # --- keys ---------------------------------------------------------------------------
     def token_key(self, account_id: str) -> str:
         """The Redis key of an account's shared token."""
-        return f"{self._prefix}:token:{{{account_id}}}"
+        return self._keys.token(account_id)
 
     def lock_key(self, account_id: str) -> str:
         """The Redis key of an account's refresh lock."""
-        return f"{self._prefix}:token-lock:{{{account_id}}}"
+        return self._keys.token_lock(account_id)
 
     # --- reading ----------------------------------------------------------------------
     def cached(self, account_id: str) -> CachedToken | None:

@@ -14,7 +14,8 @@
   oldest live waiter and wakes it with a push to its own list (BLPOP), so nobody
   polls and nobody starves.
 
-docs/locks.md describes the keys, scripts and rules.
+docs/locks.md describes the keys, scripts and rules; the key names are spelled in
+:mod:`payment_worker.redis_keys`, the scripts in ``payment_worker/lua/lock_*.lua``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import redis
 import sqlalchemy
 from redis.exceptions import RedisError
 
+from payment_worker import lua
 from payment_worker.db.fences import next_fence_token
 from payment_worker.errors import LockLost, LockNotAcquired
 from payment_worker.locks.watchdog import RENEW_LUA, Watchdog, renewal_client
@@ -40,6 +42,7 @@ from payment_worker.ops.metrics import (
     LOCK_RELEASE_NOT_OWNER,
     LOCK_RENEWALS,
 )
+from payment_worker.redis_keys import RedisKeys
 
 log = get_logger("locks")
 
@@ -60,103 +63,20 @@ def _clock() -> float:
     return time.monotonic()
 
 
-# Lua helpers shared by the scripts. KEYS[1] lock, KEYS[2] waiter queue (list, FIFO),
-# KEYS[3] waiter leases (hash token -> expiry in Redis server milliseconds).
-_LUA_NOW = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-"""
-_LUA_HEAD = """
-local function live_head(now)
-  while true do
-    local head = redis.call('LINDEX', KEYS[2], 0)
-    if not head then return false end
-    local lease = tonumber(redis.call('HGET', KEYS[3], head) or '0')
-    if lease >= now then return head end
-    redis.call('LPOP', KEYS[2])
-    redis.call('HDEL', KEYS[3], head)
-  end
-end
-local function keep_queue(ms)
-  for i = 2, 3 do
-    if redis.call('PTTL', KEYS[i]) < ms then redis.call('PEXPIRE', KEYS[i], ms) end
-  end
-end
-"""
-
-# ARGV[1] token, ARGV[2] ttl ms. {1} released, {2, next} handed to the oldest live waiter,
-# {0} key gone, {-1} owned by another token (no-op either way).
-_RELEASE_LUA = (
-    _LUA_NOW
-    + _LUA_HEAD
-    + """
-local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then
-  if cur then return {-1} end
-  return {0}
-end
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  local nxt = live_head(now_ms())
-  if nxt then
-    redis.call('LPOP', KEYS[2])
-    redis.call('HDEL', KEYS[3], nxt)
-    redis.call('SET', KEYS[1], nxt, 'PX', ARGV[2])
-    return {2, nxt}
-  end
-end
-redis.call('DEL', KEYS[1])
-return {1}
-"""
-)
-
-# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] lease ms. 1 when the lock is now ours: it was
-# handed to us, or it is free and we are the oldest live waiter (or the queue is empty).
-# Otherwise (re)joins the queue at the back if absent, refreshes the lease, returns 0.
-_WAIT_LUA = (
-    _LUA_NOW
-    + _LUA_HEAD
-    + """
-local cur = redis.call('GET', KEYS[1])
-if cur == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  redis.call('LREM', KEYS[2], 1, ARGV[1])
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  return 1
-end
-local now = now_ms()
-local lease = tonumber(ARGV[3])
-if redis.call('HSET', KEYS[3], ARGV[1], string.format('%d', now + lease)) == 1 then
-  redis.call('RPUSH', KEYS[2], ARGV[1])
-end
-if not cur and live_head(now) == ARGV[1] then
-  redis.call('LPOP', KEYS[2])
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-keep_queue(lease)
-return 0
-"""
-)
-
-# ARGV[1] token, ARGV[2] ttl ms. Leaves the queue; 1 if the lock was handed to us meanwhile.
-_CANCEL_LUA = """
-redis.call('LREM', KEYS[2], 1, ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"""
+# The scripts run with KEYS = [lock, waiter queue, waiter leases]; headers in the files.
+_RELEASE_LUA = lua.load("lock_release")
+_WAIT_LUA = lua.load("lock_wait")
+_CANCEL_LUA = lua.load("lock_cancel")
 
 
 def lock_key(account_id: str, key_prefix: str | None = None) -> str:
     """The Redis key of an account's lock: ``{prefix}:lock:{account_id}`` with a hash tag."""
-    prefix = key_prefix if key_prefix is not None else DEFAULT_KEY_PREFIX
-    return f"{prefix}:lock:{{{account_id}}}"
+    return _keys(key_prefix).lock(account_id)
+
+
+def _keys(key_prefix: str | None) -> RedisKeys:
+    """The key names under ``key_prefix``, or under the default prefix when None."""
+    return RedisKeys(key_prefix if key_prefix is not None else DEFAULT_KEY_PREFIX)
 
 
 def lock_is_held(redis: redis.Redis, account_id: str, key_prefix: str | None = None) -> bool:
@@ -217,14 +137,15 @@ class AccountLock:
         self.wait_timeout = wait_timeout
         if self.ttl_ms <= 0 or not 0 <= self.safety_margin_ms < self.ttl_ms:
             raise ValueError("need ttl_ms > 0 and 0 <= safety_margin_ms < ttl_ms")
-        self.key = lock_key(account_id, key_prefix)
+        self._keys = _keys(key_prefix)
+        self.key = self._keys.lock(account_id)
         self.fence_token: int | None = None
         self.lost_reason: str | None = None
         self._redis = redis
         self._engine = engine
         self._on_lost = on_lost
-        self._queue_key = f"{self.key}:queue"
-        self._waiters_key = f"{self.key}:waiters"
+        self._queue_key = self._keys.lock_queue(account_id)
+        self._waiters_key = self._keys.lock_waiters(account_id)
         self._state = threading.Lock()
         self._token: str | None = None
         self._deadline = 0.0
@@ -312,7 +233,7 @@ class AccountLock:
         # a waiter that stops refreshing (killed, paused) is skipped after its lease
         lease_ms = int((2 * slice_s + 1.0) * 1000)
         keys = [self.key, self._queue_key, self._waiters_key]
-        wake_key = f"{self.key}:wake:{token}"
+        wake_key = self._keys.lock_wake(self.account_id, token)
         try:
             sent = _clock()
             if self._wait(keys=keys, args=[token, self.ttl_ms, lease_ms]) == 1:
@@ -445,7 +366,7 @@ class AccountLock:
             code = int(reply[0])
             if code == 2:
                 nxt = _text(reply[1])
-                wake = f"{self.key}:wake:{nxt}"
+                wake = self._keys.lock_wake(self.account_id, nxt)
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.lpush(wake, 1)
                 pipe.pexpire(wake, self.ttl_ms)

@@ -10,20 +10,13 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from payment_worker import lua
 from payment_worker.ops.logging import get_logger
 
 log = get_logger("watchdog")
 
-# ARGV[1] token, ARGV[2] ttl ms. 1 renewed, 0 key gone, -1 owned by another token.
-RENEW_LUA = """
-local cur = redis.call('GET', KEYS[1])
-if cur == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-if cur then return -1 end
-return 0
-"""
+# 1 renewed, 0 key gone, -1 owned by another token (payment_worker/lua/lock_renew.lua)
+RENEW_LUA = lua.load("lock_renew")
 
 # per-pool state of the pool's notification machinery, not connection settings
 _POOL_OWNED_KWARGS = ("maint_notifications", "orig_")

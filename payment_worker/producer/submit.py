@@ -196,14 +196,14 @@ class _DedupWindow:
 
     def __init__(self, rt: Runtime) -> None:
         self._ttl = rt.settings.dedup_window_seconds
-        self._prefix = f"{rt.settings.redis_key_prefix}:submit:"
+        self._keys = rt.keys
         # short timeouts: a slow Redis must not stall submission, Postgres decides
         self._client = rt.dedup_redis
 
     def seen(self, batch_id: str, fp: str) -> bool:
         """True when this batch_id was saved with this very content within the window."""
         try:
-            return self._client.get(self._prefix + batch_id) == fp.encode()
+            return self._client.get(self._keys.submit_dedup(batch_id)) == fp.encode()
         except redis.RedisError as exc:
             log.warning("dedup_window_unavailable", error=str(exc))
             return False
@@ -211,7 +211,7 @@ class _DedupWindow:
     def remember(self, batch_id: str, fp: str) -> None:
         """Open the window; NX, so repeats never stretch it beyond its first TTL."""
         try:
-            self._client.set(self._prefix + batch_id, fp, nx=True, ex=self._ttl)
+            self._client.set(self._keys.submit_dedup(batch_id), fp, nx=True, ex=self._ttl)
         except redis.RedisError as exc:
             log.warning("dedup_window_unavailable", error=str(exc))
 

@@ -67,7 +67,7 @@ def run_batch_task(batch_id: str, res: Runtime) -> DrainReport:
 
 def run_account(account_id: str, batch_id: str, res: Runtime) -> DrainReport:
     """Drain the account's due work if its lock is free; otherwise leave a mark and return."""
-    waiting = res.key("waiting", account_id)
+    waiting = res.keys.waiting(account_id)
     # mark before trying the lock: the holder checks the mark after it releases, so work
     # announced here is either seen by the holder or finds the lock free
     res.redis.set(waiting, batch_id, px=res.settings.lock_ttl_ms * 4)

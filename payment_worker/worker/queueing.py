@@ -49,7 +49,7 @@ def schedule(rt: Runtime, account_id: str, batch_id: str, wait: float) -> float:
     # redelivered while still waiting); if a Retry-After is longer, the task runs early, finds
     # nothing due and schedules again
     wait = min(max(wait, 0.0), rt.settings.visibility_timeout * 0.5)
-    marker = rt.key("scheduled", account_id)
+    marker = rt.keys.scheduled(account_id)
     # the marker outlives the countdown a little; the sweeper covers a lost delayed message
     if rt.redis.set(marker, batch_id, nx=True, px=int((wait + 5.0) * 1000)):
         try:

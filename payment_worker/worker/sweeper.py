@@ -30,7 +30,7 @@ def run_sweep(res: Runtime) -> dict[str, Any]:
     s = res.settings
     # redis-py's Lock: owner token, Lua release; the timeout bounds a crashed sweeper
     guard = res.redis.lock(
-        f"{s.redis_key_prefix}:sweeper",
+        res.keys.sweeper_lock(),
         timeout=max(30.0, s.sweeper_interval * 4),
         blocking=False,
     )
@@ -58,7 +58,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
             busy += 1
             continue
         # at most one repair message per account per stale period
-        marker = f"{s.redis_key_prefix}:swept:{{{acct.account_id}}}"
+        marker = res.keys.swept(acct.account_id)
         if not res.redis.set(marker, acct.batch_id, nx=True, px=int(s.sweeper_stale_after * 1000)):
             continue
         try:

@@ -17,10 +17,12 @@ from sqlalchemy import Engine
 from payment_worker.db.engine import make_engine
 from payment_worker.errors import LockLost, LockNotAcquired
 from payment_worker.locks.account_lock import AccountLock, lock_is_held, lock_key
+from payment_worker.redis_keys import RedisKeys
 from tests.conftest import PwEnv
 from tests.lock_helpers import TcpProxy
 
 ACCOUNT = "acct-7"
+KEYS = RedisKeys("pw")
 
 
 def metric(name: str, **labels: str) -> float:
@@ -293,8 +295,8 @@ def test_blocking_acquire_times_out_and_leaves_the_queue(
     t0 = time.monotonic()
     assert not b.acquire(blocking=True, timeout=0.5)
     assert 0.5 <= time.monotonic() - t0 < 1.0
-    assert redis_client.llen(f"{a.key}:queue") == 0
-    assert redis_client.hlen(f"{a.key}:waiters") == 0
+    assert redis_client.llen(KEYS.lock_queue(ACCOUNT)) == 0
+    assert redis_client.hlen(KEYS.lock_waiters(ACCOUNT)) == 0
     assert a.release()
     assert not lock_is_held(redis_client, ACCOUNT)  # nothing was handed to the leaver
 
@@ -317,7 +319,7 @@ def test_waiters_are_served_in_arrival_order(redis_client: redis.Redis, engine: 
         t.start()
         threads.append(t)
         # each one is queued before the next arrives
-        while redis_client.llen(f"{holder.key}:queue") < i + 1:
+        while redis_client.llen(KEYS.lock_queue(ACCOUNT)) < i + 1:
             time.sleep(0.005)
     holder.release()
     for t in threads:

@@ -20,6 +20,7 @@ from sqlalchemy import Engine, text
 
 from payment_worker.db.engine import make_engine
 from payment_worker.locks.account_lock import AccountLock, lock_is_held
+from payment_worker.redis_keys import RedisKeys
 from tests.conftest import ROOT, PwEnv
 from tests.lock_helpers import COUNTER_KEY, GATEWAY_CALLS_KEY, fenced_write
 
@@ -223,7 +224,7 @@ def test_killed_waiter_is_skipped_by_the_handoff(
 ) -> None:
     first = AccountLock(redis_client, ACCOUNT, engine=engine, ttl_ms=2000, safety_margin_ms=100)
     assert first.acquire()
-    queue = f"{first.key}:queue"
+    queue = RedisKeys("pw").lock_queue(ACCOUNT)
     dead = Holder(300, timeout=30, read_first=False)  # queues behind `first`
     try:
         _wait_for(lambda: redis_client.llen(queue) == 1)

@@ -80,7 +80,7 @@ def test_contended_task_leaves_a_mark_and_the_holder_drains_it(
         _submit(second)
         report = processing.run_account("acct-0000", second[0]["batch_id"], res)
         assert report.result == "contended"  # no retry, no spin: it just ends
-        assert res.redis.exists(res.key("waiting", "acct-0000"))
+        assert res.redis.exists(res.keys.waiting("acct-0000"))
     finally:
         holder.release()
     # the next execution (as the holder would after its release) drains both batches

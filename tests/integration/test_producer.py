@@ -16,6 +16,7 @@ from payment_worker import runtime, submit_batch
 from payment_worker.db import batches as db
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.producer.submit import SubmitResult
+from payment_worker.redis_keys import RedisKeys
 from tests.conftest import PwEnv
 
 
@@ -116,7 +117,7 @@ def test_resubmission_is_duplicate_and_enqueues_nothing(
     assert submit_batch(reordered).status == "duplicate"
     assert metric("pw_submit_duplicates_total", layer="postgres") == before_pg + 1
     # ... and that reopened the window
-    assert redis_client.ttl("pw:submit:b-1") > 0
+    assert redis_client.ttl(RedisKeys("pw").submit_dedup("b-1")) > 0
 
     assert counts(db_conn) == (1, 3, 3)
     assert broker_messages(pw_env) == ["b-1"]

@@ -1,0 +1,10 @@
+-- token_release: release the token refresh lock, only if it is still ours.
+--
+-- KEYS[1]  the refresh lock ({prefix}:token-lock:{acct})
+-- ARGV[1]  our owner value
+--
+-- Returns 1 deleted; 0 the lock expired or belongs to another refresher (left alone).
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0

@@ -1,0 +1,107 @@
+"""Every Redis key the service reads or writes, spelled in one place.
+
+The strings are a wire format: running workers of another version, dashboards and ops'
+runbooks use them, so a change here is a migration, not a refactor
+(``tests/unit/test_redis_keys.py`` pins each one). ``prefix`` is ``REDIS_KEY_PREFIX``
+(default ``pw``). Per-account keys carry the Redis Cluster hash tag ``{account}``, so all
+keys of one account live in one slot and a Lua script may name several of them in ``KEYS``.
+
+Each entry: key (type, TTL): what it holds; who writes it.
+
+``{prefix}:lock:{acct}`` (string, ``LOCK_TTL_MS``, renewed every TTL/3)
+    The account lock; value: the holder's random token. AccountLock (``SET NX``; the
+    release and wait scripts hand it straight to the oldest live waiter).
+``{prefix}:lock:{acct}:queue`` (list, at least the longest waiter lease)
+    Blocking waiters' tokens, FIFO. AccountLock's wait script; release and cancel pop.
+``{prefix}:lock:{acct}:waiters`` (hash, as the queue)
+    Waiter token -> lease expiry in Redis server ms. AccountLock's wait script.
+``{prefix}:lock:{acct}:wake:{waiter token}`` (list, ``LOCK_TTL_MS``)
+    One waiter's wake-up signal (BLPOP). AccountLock.release after a hand-off.
+``{prefix}:token:{acct}`` (hash, the access token's remaining lifetime)
+    ``token``, ``lead_ms``: the account's shared gateway token. TokenManager's store script.
+``{prefix}:token-lock:{acct}`` (string, gateway connect + read timeout + 1 s)
+    The token refresh lock; value: a random owner. TokenManager.
+``{prefix}:pace:{acct}`` (hash, burst/rate + 1 s; a 429's cooldown + 60 s)
+    ``tokens``, ``ts``, ``until``: the account's request bucket. Pacer's scripts.
+``{prefix}:waiting:{acct}`` (string, 4 x ``LOCK_TTL_MS``)
+    "Work waiting" left by a task that found the lock busy; value: a batch id. The drain
+    loop (set by any task, deleted by the holder).
+``{prefix}:scheduled:{acct}`` (string, countdown + 5 s)
+    The account's one delayed message is on its way; value: a batch id. The drain loop.
+``{prefix}:swept:{acct}`` (string, ``SWEEPER_STALE_AFTER``)
+    A repair message was sent for the account; value: a batch id. The sweeper.
+``{prefix}:sweeper`` (string, max(30 s, 4 x ``SWEEPER_INTERVAL``))
+    The sweeper's own redis-py ``Lock``: two beats never sweep at once. The sweeper.
+``{prefix}:submit:{batch_id}`` (string, ``DEDUP_WINDOW_SECONDS``)
+    The producer's dedup window; value: the batch's content fingerprint. The producer.
+
+``{acct}`` above is the literal hash tag: the account id between braces. The sweeper lock
+and the dedup window are not per account and have no hash tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    """The key names under one prefix; cheap to build, holds no connection."""
+
+    prefix: str = "pw"
+
+    def _account(self, kind: str, account_id: str) -> str:
+        # the braces are a Redis Cluster hash tag: every key of an account in one slot
+        return f"{self.prefix}:{kind}:{{{account_id}}}"
+
+    # --- the account lock (payment_worker.locks.account_lock) ---------------------------
+    def lock(self, account_id: str) -> str:
+        """The account lock: a string holding the holder's random token."""
+        return self._account("lock", account_id)
+
+    def lock_queue(self, account_id: str) -> str:
+        """The lock's FIFO list of blocking waiters' tokens."""
+        return f"{self.lock(account_id)}:queue"
+
+    def lock_waiters(self, account_id: str) -> str:
+        """The lock's hash of waiter token -> lease expiry (Redis server milliseconds)."""
+        return f"{self.lock(account_id)}:waiters"
+
+    def lock_wake(self, account_id: str, waiter_token: str) -> str:
+        """One waiter's wake-up list, pushed to when the lock is handed to it."""
+        return f"{self.lock(account_id)}:wake:{waiter_token}"
+
+    # --- the gateway (payment_worker.gateway) ---------------------------------------------
+    def token(self, account_id: str) -> str:
+        """The account's shared access token (hash ``token``, ``lead_ms``)."""
+        return self._account("token", account_id)
+
+    def token_lock(self, account_id: str) -> str:
+        """The lock of whoever refreshes the account's access token."""
+        return self._account("token-lock", account_id)
+
+    def pace(self, account_id: str) -> str:
+        """The account's pacing bucket (hash ``tokens``, ``ts``, ``until``)."""
+        return self._account("pace", account_id)
+
+    # --- the drain loop and the sweeper (payment_worker.worker) ---------------------------
+    def waiting(self, account_id: str) -> str:
+        """The "work waiting" mark a task leaves when the account's lock is busy."""
+        return self._account("waiting", account_id)
+
+    def scheduled(self, account_id: str) -> str:
+        """The mark of the account's one pending delayed message."""
+        return self._account("scheduled", account_id)
+
+    def swept(self, account_id: str) -> str:
+        """The sweeper's mark: a repair message for the account was sent recently."""
+        return self._account("swept", account_id)
+
+    def sweeper_lock(self) -> str:
+        """The sweeper's own lock (one sweep at a time across all beats)."""
+        return f"{self.prefix}:sweeper"
+
+    # --- the producer (payment_worker.producer.submit) ------------------------------------
+    def submit_dedup(self, batch_id: str) -> str:
+        """The dedup window of a submitted batch id (no hash tag: not per account)."""
+        return f"{self.prefix}:submit:{batch_id}"
