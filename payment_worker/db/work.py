@@ -11,12 +11,13 @@ the write to commit, so the order is strict.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 
 from payment_worker.db.fences import FENCE_CTE, execute_fenced, fence_params
 from payment_worker.db.models import sql_values
@@ -283,3 +284,36 @@ def open_counts(conn: Connection) -> dict[str, int]:
     """Number of transactions per status (all statuses, for tests and tools)."""
     rows = conn.execute(text("SELECT status, count(*) FROM transactions GROUP BY status")).all()
     return {str(r[0]): int(r[1]) for r in rows}
+
+
+class PgWorkStore:
+    """The drain loop's :class:`~payment_worker.worker.ports.WorkStore` on one connection in
+    autocommit: each call is its own short transaction, none spans a gateway call."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    @classmethod
+    @contextmanager
+    def open(cls, engine: Engine) -> Iterator[PgWorkStore]:
+        """A store on a pooled connection, given back when the drain ends."""
+        with engine.connect() as base:
+            yield cls(base.execution_options(isolation_level="AUTOCOMMIT"))
+
+    def claim_due(self, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
+        """See :func:`claim_due`."""
+        return claim_due(self._conn, account_id, token, limit)
+
+    def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
+        """See :func:`record_outcomes`."""
+        return record_outcomes(self._conn, account_id, token, outcomes)
+
+    def complete_batches(
+        self, account_id: str, token: int, batch_pks: Sequence[int] | None = None
+    ) -> list[str]:
+        """See :func:`complete_batches`."""
+        return complete_batches(self._conn, account_id, token, batch_pks)
+
+    def seconds_until_next_due(self, account_id: str) -> float | None:
+        """See :func:`seconds_until_next_due`."""
+        return seconds_until_next_due(self._conn, account_id)

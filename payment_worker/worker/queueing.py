@@ -1,4 +1,5 @@
-"""Putting accounts' work on the queue: publish, hand off at the end of a slice, schedule.
+"""Putting accounts' work on the queue: publish, hand off at the end of a slice, schedule,
+and the "work waiting" mark a holder checks after it releases.
 
 The drain loop and the sweeper both use this module; it publishes by task name, so it needs
 neither the tasks module nor anything that imports it (no import cycle).
@@ -58,3 +59,34 @@ def schedule(rt: Runtime, account_id: str, batch_id: str, wait: float) -> float:
             rt.redis.delete(marker)
             log.warning("schedule_failed", account_id=account_id, error=repr(exc))
     return wait
+
+
+class RedisAccountQueue:
+    """The drain loop's :class:`~payment_worker.worker.ports.AccountQueue`: marks in Redis,
+    messages through the broker."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        # a mark outlives a holder's slice by far: a task that found the lock busy must not
+        # have its work forgotten while the holder drains
+        self._mark_ms = rt.settings.lock_ttl_ms * 4
+
+    def announce(self, account_id: str, batch_id: str) -> None:
+        """Leave the "work waiting" mark of the account."""
+        self._rt.redis.set(self._rt.keys.waiting(account_id), batch_id, px=self._mark_ms)
+
+    def consume(self, account_id: str) -> None:
+        """Clear the mark."""
+        self._rt.redis.delete(self._rt.keys.waiting(account_id))
+
+    def announced(self, account_id: str) -> bool:
+        """Whether a task left the mark again."""
+        return bool(self._rt.redis.exists(self._rt.keys.waiting(account_id)))
+
+    def hand_off(self, account_id: str, batch_id: str) -> None:
+        """See :func:`hand_off`."""
+        hand_off(account_id, batch_id)
+
+    def schedule(self, account_id: str, batch_id: str, wait: float) -> float:
+        """See :func:`schedule`."""
+        return schedule(self._rt, account_id, batch_id, wait)

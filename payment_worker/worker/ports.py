@@ -1,0 +1,108 @@
+"""What the drain loop needs from the outside world, as small interfaces.
+
+The loop talks to the database, the account lock, the gateway and the queue only through
+these, so it runs the same against the real adapters (``db.work.PgWorkStore``,
+``locks.AccountLock``, ``gateway.GatewayClient``, ``worker.queueing.RedisAccountQueue``) and
+against the in-memory fakes of the unit tests (``tests/fakes.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from payment_worker.db.work import ClaimedItem
+from payment_worker.domain.payment_request import PaymentRequest
+from payment_worker.domain.transitions import ItemOutcome
+from payment_worker.gateway.outcomes import GatewayResult
+
+Guard = Callable[[], None]
+"""Raises when the caller may no longer send (the lock's ``ensure_held``)."""
+
+
+class WorkStore(Protocol):
+    """One drain's database: every call is one short statement, writes are fenced (a stale
+    ``token`` raises :class:`~payment_worker.errors.FencedOut`)."""
+
+    def claim_due(self, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
+        """Claim up to ``limit`` due items: intent recorded before any send."""
+        ...
+
+    def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
+        """Write what was learnt; terminal rows never move back. Returns rows changed."""
+        ...
+
+    def complete_batches(
+        self, account_id: str, token: int, batch_pks: Sequence[int] | None = None
+    ) -> list[str]:
+        """Complete the account's batches whose items are all terminal."""
+        ...
+
+    def seconds_until_next_due(self, account_id: str) -> float | None:
+        """Seconds until the earliest open item is due (<= 0: now); None: nothing open."""
+        ...
+
+
+class HeldLock(Protocol):
+    """An account lock: taken once, checked before every side effect, released once."""
+
+    @property
+    def fence_token(self) -> int | None:
+        """The fencing token of the current acquisition."""
+        ...
+
+    def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
+        """Take the lock (non-blocking by default)."""
+        ...
+
+    def ensure_held(self) -> None:
+        """Raise :class:`~payment_worker.errors.LockLost` unless the lock is still ours."""
+        ...
+
+    def release(self) -> bool:
+        """Give the lock back (owner-checked)."""
+        ...
+
+
+class Gateway(Protocol):
+    """The payment gateway: every call under the transaction's stable idempotency key."""
+
+    def create_payment(
+        self,
+        account_id: str,
+        transaction: PaymentRequest,
+        idempotency_key: str,
+        guard: Guard | None = None,
+    ) -> GatewayResult:
+        """Send a payment; ``guard`` runs right before the request leaves."""
+        ...
+
+    def lookup_payment(
+        self, account_id: str, idempotency_key: str, guard: Guard | None = None
+    ) -> GatewayResult:
+        """Ask the gateway what it holds under the key."""
+        ...
+
+
+class AccountQueue(Protocol):
+    """How work reaches an account's holder: the "work waiting" mark and the broker."""
+
+    def announce(self, account_id: str, batch_id: str) -> None:
+        """Leave the mark a holder checks after releasing (work arrived while it held)."""
+        ...
+
+    def consume(self, account_id: str) -> None:
+        """Clear the mark: everything committed so far is about to be drained."""
+        ...
+
+    def announced(self, account_id: str) -> bool:
+        """Whether the mark was left again since :meth:`consume`."""
+        ...
+
+    def hand_off(self, account_id: str, batch_id: str) -> None:
+        """End of a slice: put the account back on the queue."""
+        ...
+
+    def schedule(self, account_id: str, batch_id: str, wait: float) -> float:
+        """One delayed message for work due in ``wait`` seconds; returns the countdown."""
+        ...

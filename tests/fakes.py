@@ -1,0 +1,318 @@
+"""In-memory stand-ins for the drain loop's ports (payment_worker/worker/ports.py).
+
+They keep the rules the real adapters keep, so a unit test of the loop means something:
+
+* :class:`FakeStore` claims like db/work.py (pending/retryable -> dispatching with attempts + 1,
+  a crashed holder's dispatching -> unknown, only due items, batch order), writes only over
+  dispatching/unknown rows (terminal rows never move back), and rejects a stale fencing token
+  with FencedOut;
+* :class:`FakeLock` hands out a growing fencing token per acquisition and can be made lost;
+* :class:`FakeGateway` answers from a script per idempotency key, runs the guard right
+  before every "send" as the real client does, and remembers what was paid;
+* :class:`FakeClock` is the one clock of all of them: ``sleep`` advances it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict, deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from payment_worker.db.work import ClaimedItem
+from payment_worker.domain.payment_request import PaymentRequest
+from payment_worker.domain.statuses import (
+    IN_DOUBT_TX_STATUSES,
+    OPEN_TX_STATUSES,
+    SENDABLE_TX_STATUSES,
+    TERMINAL_TX_STATUSES,
+    TxStatus,
+)
+from payment_worker.domain.transitions import ItemOutcome
+from payment_worker.errors import FencedOut, LockLost
+from payment_worker.gateway.outcomes import GatewayResult, Outcome
+from payment_worker.worker.ports import Guard
+
+
+class FakeClock:
+    """Monotonic seconds that move only when somebody sleeps (or a test advances them)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.0)
+
+
+@dataclass
+class Row:
+    """One transaction row."""
+
+    id: int
+    batch_pk: int
+    account_id: str
+    transaction_id: str
+    amount: int
+    status: TxStatus = TxStatus.PENDING
+    attempts: int = 0
+    lookups: int = 0
+    due_at: float = 0.0
+    payment_id: str | None = None
+    error_class: str | None = None
+    fingerprint_ok: bool = True
+    beneficiary: dict[str, Any] = field(
+        default_factory=lambda: {"bank_code": "014", "account_number": "1", "name": "B"}
+    )
+
+    @property
+    def key(self) -> str:
+        return f"key-{self.transaction_id}"
+
+    def request(self) -> PaymentRequest:
+        return PaymentRequest(
+            self.account_id, self.transaction_id, self.amount, "IDR", self.beneficiary
+        )
+
+
+class FakeStore:
+    """The rows of every account, the fencing tokens, batches and dead letters."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.rows: dict[int, Row] = {}
+        self.fences: dict[str, int] = defaultdict(int)
+        self.completed: list[int] = []
+        self.dead_letters: list[tuple[int, str]] = []
+        self.writes: list[list[ItemOutcome]] = []
+        self.opened = 0
+        self._ids = itertools.count(1)
+
+    def add(self, account_id: str, batch_pk: int, n: int, **kw: Any) -> list[Row]:
+        """``n`` pending rows of one batch; ``kw`` sets row fields."""
+        rows = []
+        for _ in range(n):
+            i = next(self._ids)
+            row = Row(i, batch_pk, account_id, f"tx-{i}", 100 + i, due_at=self.clock(), **kw)
+            self.rows[i] = row
+            rows.append(row)
+        return rows
+
+    def statuses(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for r in self.rows.values():
+            out[str(r.status)] += 1
+        return dict(out)
+
+    @contextmanager
+    def open(self) -> Iterator[FakeStore]:
+        self.opened += 1
+        yield self
+
+    def _fence(self, account_id: str, token: int) -> None:
+        if self.fences[account_id] != token:
+            raise FencedOut(f"fencing token {token} of account {account_id} is not current")
+
+    # --- the WorkStore port --------------------------------------------------------------
+    def claim_due(self, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
+        self._fence(account_id, token)
+        due = sorted(
+            (
+                r
+                for r in self.rows.values()
+                if r.account_id == account_id
+                and r.status in OPEN_TX_STATUSES
+                and r.due_at <= self.clock()
+            ),
+            key=lambda r: (r.batch_pk, r.id),
+        )[:limit]
+        claimed = []
+        for r in due:
+            if r.status in SENDABLE_TX_STATUSES:
+                r.status, r.attempts = TxStatus.DISPATCHING, r.attempts + 1
+            elif r.status is TxStatus.DISPATCHING:
+                r.status = TxStatus.UNKNOWN  # a crashed holder's: maybe sent
+            req = r.request()
+            claimed.append(
+                ClaimedItem(
+                    id=r.id,
+                    batch_pk=r.batch_pk,
+                    account_id=r.account_id,
+                    transaction_id=r.transaction_id,
+                    amount=r.amount,
+                    currency="IDR",
+                    beneficiary=r.beneficiary,
+                    description=None,
+                    idempotency_key=r.key,
+                    status=r.status,
+                    attempts=r.attempts,
+                    lookups=r.lookups,
+                    request_fingerprint=req.fingerprint() if r.fingerprint_ok else "changed",
+                )
+            )
+        return claimed
+
+    def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
+        self._fence(account_id, token)
+        self.writes.append(list(outcomes))
+        changed = 0
+        for o in outcomes:
+            r = self.rows[o.item_id]
+            if r.status not in IN_DOUBT_TX_STATUSES:
+                continue  # terminal (or reset) rows never move back
+            d = o.decision
+            r.status, r.attempts, r.lookups = d.status, o.attempts, o.lookups
+            r.due_at = self.clock() + max(d.delay, 0.0)
+            r.payment_id = d.payment_id or r.payment_id
+            r.error_class = d.error_class
+            if d.status is TxStatus.DEAD and d.dead_reason:
+                self.dead_letters.append((r.id, str(d.dead_reason)))
+            changed += 1
+        return changed
+
+    def complete_batches(
+        self, account_id: str, token: int, batch_pks: Sequence[int] | None = None
+    ) -> list[str]:
+        if self.fences[account_id] != token:
+            return []  # like the SQL: a stale holder completes nothing
+        pks = {r.batch_pk for r in self.rows.values() if r.account_id == account_id}
+        if batch_pks is not None:
+            pks &= set(batch_pks)
+        done = []
+        for pk in sorted(pks - set(self.completed)):
+            rows = [r for r in self.rows.values() if r.batch_pk == pk]
+            if all(r.status in TERMINAL_TX_STATUSES for r in rows):
+                self.completed.append(pk)
+                done.append(f"batch-{pk}")
+        return done
+
+    def seconds_until_next_due(self, account_id: str) -> float | None:
+        due = [
+            r.due_at
+            for r in self.rows.values()
+            if r.account_id == account_id and r.status in OPEN_TX_STATUSES
+        ]
+        return None if not due else min(due) - self.clock()
+
+
+class FakeLock:
+    """An account lock shared through ``holders``; each acquisition issues a new token."""
+
+    def __init__(self, account_id: str, store: FakeStore, holders: dict[str, FakeLock]) -> None:
+        self.account_id = account_id
+        self.fence_token: int | None = None
+        self.lost = False
+        self.checks_left: int | None = None  # lose the lock after this many checks
+        self._store = store
+        self._holders = holders
+
+    def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
+        if self.account_id in self._holders:
+            return False
+        self._holders[self.account_id] = self
+        self._store.fences[self.account_id] += 1
+        self.fence_token = self._store.fences[self.account_id]
+        return True
+
+    def ensure_held(self) -> None:
+        if self.checks_left is not None:
+            if self.checks_left <= 0:
+                self.lost = True
+            self.checks_left -= 1
+        if self.lost or self._holders.get(self.account_id) is not self:
+            raise LockLost(f"lock of {self.account_id} lost")
+
+    def release(self) -> bool:
+        if self._holders.get(self.account_id) is self:
+            del self._holders[self.account_id]
+            return True
+        return False
+
+
+def ok(payment_id: str = "pay-1") -> GatewayResult:
+    return GatewayResult(Outcome.SUCCEEDED, 201, payment_id=payment_id)
+
+
+def answer(outcome: Outcome, status: int | None, **kw: Any) -> GatewayResult:
+    return GatewayResult(outcome, status, **kw)
+
+
+class FakeGateway:
+    """Answers from a script per key (else success); pays at most what it was told to."""
+
+    def __init__(self) -> None:
+        self.script: dict[str, deque[GatewayResult]] = defaultdict(deque)
+        self.lookup_script: dict[str, deque[GatewayResult]] = defaultdict(deque)
+        self.calls: list[tuple[str, str]] = []
+        self.paid: dict[str, int] = defaultdict(int)
+        self.on_call: Any = None  # a hook run before each answer (e.g. to lose the lock)
+
+    def create_payment(
+        self,
+        account_id: str,
+        transaction: PaymentRequest,
+        idempotency_key: str,
+        guard: Guard | None = None,
+    ) -> GatewayResult:
+        if guard is not None:
+            guard()  # as the real client: the last check before the request leaves
+        self.calls.append(("create", idempotency_key))
+        if self.on_call is not None:
+            self.on_call("create", idempotency_key)
+        queued = self.script[idempotency_key]
+        result = queued.popleft() if queued else ok(f"pay-{idempotency_key}")
+        if result.outcome is Outcome.SUCCEEDED or (
+            result.outcome is Outcome.UNKNOWN and result.reason == "applied"
+        ):
+            self.paid[idempotency_key] += 1
+        return result
+
+    def lookup_payment(
+        self, account_id: str, idempotency_key: str, guard: Guard | None = None
+    ) -> GatewayResult:
+        if guard is not None:
+            guard()
+        self.calls.append(("lookup", idempotency_key))
+        queued = self.lookup_script[idempotency_key]
+        if queued:
+            return queued.popleft()
+        if self.paid[idempotency_key]:
+            return ok(f"pay-{idempotency_key}")
+        return answer(Outcome.NOT_FOUND, 404, reason="not_found")
+
+    def sends(self, key: str) -> int:
+        return sum(1 for kind, k in self.calls if kind == "create" and k == key)
+
+
+@dataclass
+class FakeQueue:
+    """The "work waiting" marks and what was put on the queue."""
+
+    marks: set[str] = field(default_factory=set)
+    handed_off: list[tuple[str, str]] = field(default_factory=list)
+    scheduled: list[tuple[str, str, float]] = field(default_factory=list)
+    remark_on_consume: int = 0  # re-announce this many times right after a consume
+
+    def announce(self, account_id: str, batch_id: str) -> None:
+        self.marks.add(account_id)
+
+    def consume(self, account_id: str) -> None:
+        self.marks.discard(account_id)
+        if self.remark_on_consume > 0:
+            # another task arrives while the holder drains
+            self.remark_on_consume -= 1
+            self.marks.add(account_id)
+
+    def announced(self, account_id: str) -> bool:
+        return account_id in self.marks
+
+    def hand_off(self, account_id: str, batch_id: str) -> None:
+        self.handed_off.append((account_id, batch_id))
+
+    def schedule(self, account_id: str, batch_id: str, wait: float) -> float:
+        self.scheduled.append((account_id, batch_id, wait))
+        return wait

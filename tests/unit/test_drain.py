@@ -1,0 +1,239 @@
+"""The drain loop on in-memory fakes (tests/fakes.py): no Postgres, no Redis, no HTTP.
+
+Each test drives :class:`payment_worker.worker.drain.Drainer` through one path of the state
+machine (claim, send, unknown, lookup, backoff, hand-off, lock loss, fencing) and checks what
+was sent, what was written and what was put on the queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from prometheus_client import REGISTRY
+
+from payment_worker.domain.retry import Backoff
+from payment_worker.domain.statuses import TxStatus
+from payment_worker.domain.transitions import Policy
+from payment_worker.gateway.outcomes import Outcome
+from payment_worker.worker.drain import Drainer, DrainLimits
+from tests.fakes import (
+    FakeClock,
+    FakeGateway,
+    FakeLock,
+    FakeQueue,
+    FakeStore,
+    answer,
+)
+
+ACCT = "acct-1"
+
+
+@dataclass
+class World:
+    clock: FakeClock
+    store: FakeStore
+    gateway: FakeGateway
+    queue: FakeQueue
+    holders: dict[str, FakeLock] = field(default_factory=dict)
+    locks: list[FakeLock] = field(default_factory=list)
+    chunk_size: int = 5
+    max_seconds: float = 60.0
+    hold_wait: float = 5.0
+    max_attempts: int = 3
+
+    def lock_for(self, account_id: str) -> FakeLock:
+        lock = FakeLock(account_id, self.store, self.holders)
+        self.locks.append(lock)
+        return lock
+
+    def drainer(self) -> Drainer:
+        return Drainer(
+            open_store=self.store.open,
+            lock_for=self.lock_for,
+            gateway=self.gateway,
+            queue=self.queue,
+            policy=Policy(
+                max_attempts=self.max_attempts, max_lookups=3, backoff=Backoff(base=1.0, cap=4.0)
+            ),
+            limits=DrainLimits(self.chunk_size, self.max_seconds, self.hold_wait),
+            clock=self.clock,
+            sleep=self.clock.sleep,
+        )
+
+    def run(self, batch_id: str = "batch-1") -> object:
+        return self.drainer().run_account(ACCT, batch_id)
+
+
+@pytest.fixture
+def w() -> World:
+    clock = FakeClock()
+    return World(clock, FakeStore(clock), FakeGateway(), FakeQueue())
+
+
+def test_claim_send_record_and_complete(w: World) -> None:
+    rows = w.store.add(ACCT, 1, 3) + w.store.add(ACCT, 2, 4)
+    report = w.run()
+    assert report.result == "processed" and report.items == 7  # type: ignore[attr-defined]
+    assert w.store.statuses() == {"succeeded": 7}
+    assert all(w.gateway.sends(r.key) == 1 for r in rows)
+    assert w.store.completed == [1, 2]
+    # one store for the whole drain; the lock released; no mark left behind
+    assert w.store.opened == 1 and w.holders == {} and w.queue.marks == set()
+
+
+def test_an_unknown_outcome_is_looked_up_before_any_resend(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    # the gateway applied the payment but the answer was lost
+    w.gateway.script[row.key].append(answer(Outcome.UNKNOWN, None, reason="applied"))
+    w.run()
+    assert w.gateway.calls == [("create", row.key), ("lookup", row.key)]
+    assert row.status is TxStatus.SUCCEEDED and w.gateway.paid[row.key] == 1
+    assert (row.attempts, row.lookups) == (1, 1)
+
+
+def test_a_lookup_that_finds_nothing_sends_again_under_the_same_key(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    # a timeout before the gateway applied anything: the lookup answers 404
+    w.gateway.script[row.key].append(answer(Outcome.UNKNOWN, None, reason="timeout"))
+    w.run()
+    assert w.gateway.calls == [("create", row.key), ("lookup", row.key), ("create", row.key)]
+    assert row.status is TxStatus.SUCCEEDED and w.gateway.paid[row.key] == 1
+    assert row.attempts == 2
+
+
+def test_a_crashed_holders_dispatching_items_are_looked_up_not_resent(w: World) -> None:
+    [paid, unpaid] = w.store.add(ACCT, 1, 2, status=TxStatus.DISPATCHING, attempts=1)
+    w.gateway.paid[paid.key] = 1  # the crashed holder's request went through
+    w.run()
+    assert w.gateway.sends(paid.key) == 0 and paid.status is TxStatus.SUCCEEDED
+    assert w.gateway.calls.count(("lookup", unpaid.key)) == 1
+    assert w.gateway.sends(unpaid.key) == 1 and unpaid.status is TxStatus.SUCCEEDED
+
+
+def test_retry_after_is_the_floor_of_the_next_attempt(w: World) -> None:
+    rows = w.store.add(ACCT, 1, 2)
+    for r in rows:
+        w.gateway.script[r.key].append(answer(Outcome.RETRY, 429, retry_after=30.0))
+    start = w.clock()
+    w.run()
+    # backoff alone is at most 1 s for a first retry: 30 s comes from Retry-After
+    assert all(r.status is TxStatus.RETRYABLE and r.due_at >= start + 30.0 for r in rows)
+    # longer than HOLD_WAIT_MAX_SECONDS: one delayed message for the account, not one per item
+    assert len(w.queue.scheduled) == 1 and w.queue.scheduled[0][2] >= 30.0
+    assert w.holders == {}
+
+
+def test_a_short_wait_is_waited_out_under_the_lock(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    w.gateway.script[row.key].append(answer(Outcome.RETRY, 429, retry_after=0.5))
+    start = w.clock()
+    w.run()
+    assert row.status is TxStatus.SUCCEEDED and w.gateway.sends(row.key) == 2
+    assert w.queue.scheduled == [] and w.clock() - start >= 0.5
+    assert len(w.locks) == 1  # one acquisition: the wait happened while holding
+
+
+def test_retries_exhausted_go_dead_with_a_dead_letter(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    w.gateway.script[row.key].extend([answer(Outcome.RETRY, 503)] * 3)
+    w.hold_wait = 100.0
+    w.run()
+    assert row.status is TxStatus.DEAD and row.attempts == 3
+    assert w.store.dead_letters == [(row.id, "retries_exhausted")]
+    assert w.gateway.paid[row.key] == 0
+
+
+def test_a_row_whose_body_changed_goes_dead_and_is_never_sent(w: World) -> None:
+    [changed, fine] = w.store.add(ACCT, 1, 1, fingerprint_ok=False) + w.store.add(ACCT, 1, 1)
+    w.run()
+    assert changed.status is TxStatus.DEAD and w.gateway.sends(changed.key) == 0
+    assert w.store.dead_letters == [(changed.id, "fingerprint_mismatch")]
+    assert fine.status is TxStatus.SUCCEEDED
+
+
+def test_a_lock_lost_mid_chunk_stops_sends_and_writes_what_was_learnt(w: World) -> None:
+    rows = w.store.add(ACCT, 1, 5)
+
+    def lose_after_two(kind: str, key: str) -> None:
+        if w.gateway.sends(key) and len(w.gateway.calls) == 2:
+            w.locks[-1].lost = True  # the watchdog found the lock gone
+
+    w.gateway.on_call = lose_after_two
+    report = w.run()
+    assert report.result == "lock_lost"  # type: ignore[attr-defined]
+    assert len(w.gateway.calls) == 2  # the third guard stopped the third send
+    # the two answers were written (fenced: no newer holder exists); the rest stay dispatching
+    # for the next holder to look up
+    assert [len(batch) for batch in w.store.writes] == [2]
+    assert [r.status for r in rows] == [TxStatus.SUCCEEDED] * 2 + [TxStatus.DISPATCHING] * 3
+
+
+def test_a_replaced_holder_writes_nothing_and_counts_one_rejection(w: World) -> None:
+    rows = w.store.add(ACCT, 1, 3)
+
+    def taken_over(kind: str, key: str) -> None:
+        w.store.fences[ACCT] += 1  # a newer holder got a token: this one is fenced out
+
+    w.gateway.on_call = taken_over
+    before = REGISTRY.get_sample_value("pw_fencing_rejections_total") or 0.0
+    report = w.run()
+    assert report.result == "fenced_out"  # type: ignore[attr-defined]
+    assert REGISTRY.get_sample_value("pw_fencing_rejections_total") == before + 1
+    assert w.store.writes == [] and all(r.status is TxStatus.DISPATCHING for r in rows)
+
+
+def test_a_long_drain_hands_the_account_back_after_releasing(w: World) -> None:
+    rows = w.store.add(ACCT, 1, 10)
+    w.chunk_size, w.max_seconds = 2, 3.0
+    w.gateway.on_call = lambda kind, key: w.clock.sleep(1.0)  # each request takes 1 s
+    held_at_hand_off: list[bool] = []
+    hand_off = w.queue.hand_off
+
+    def record(account_id: str, batch_id: str) -> None:
+        held_at_hand_off.append(ACCT in w.holders)
+        hand_off(account_id, batch_id)
+
+    w.queue.hand_off = record  # type: ignore[method-assign]
+    report = w.run()
+    assert report.handed_off and w.queue.handed_off == [(ACCT, "batch-1")]  # type: ignore[attr-defined]
+    assert held_at_hand_off == [False]  # released first, so the next task finds it free
+    assert 0 < sum(r.status is TxStatus.SUCCEEDED for r in rows) < 10
+
+
+def test_a_busy_account_gets_a_mark_and_no_send(w: World) -> None:
+    w.store.add(ACCT, 1, 2)
+    other = FakeLock(ACCT, w.store, w.holders)
+    assert other.acquire()
+    report = w.run()
+    assert report.result == "contended"  # type: ignore[attr-defined]
+    assert w.queue.announced(ACCT) and w.gateway.calls == []
+
+
+def test_the_holder_rechecks_the_mark_after_releasing_and_drains_again(w: World) -> None:
+    w.store.add(ACCT, 1, 2)
+    late: list[object] = []
+    first_lock: list[FakeLock] = []
+
+    def lock_for(account_id: str) -> FakeLock:
+        lock = World.lock_for(w, account_id)
+        if not first_lock:
+            first_lock.append(lock)
+            release = lock.release
+
+            def release_then_new_work() -> bool:
+                done = release()
+                # a batch committed after the holder's last claim, whose task found the lock
+                # busy and left its mark: only the holder's re-check can pick it up now
+                late.extend(w.store.add(ACCT, 2, 3))
+                w.queue.announce(ACCT, "batch-2")
+                return done
+
+            lock.release = release_then_new_work  # type: ignore[method-assign]
+        return lock
+
+    w.lock_for = lock_for  # type: ignore[method-assign]
+    w.run()
+    assert len(w.locks) == 2  # drained, released, saw the mark, drained again
+    assert w.store.statuses() == {"succeeded": 5} and len(late) == 3
+    assert w.queue.marks == set()
