@@ -21,19 +21,14 @@ broker message.
 
 from __future__ import annotations
 
-import json
-import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import redis
-from sqlalchemy.exc import SQLAlchemyError
 
 from payment_worker.db import batches as db
 from payment_worker.domain import batch_schema as schemas
-from payment_worker.errors import PaymentWorkerError
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     BATCHES_SUBMITTED,
@@ -82,13 +77,14 @@ def submit_batch(
     published and the sweeper picks the batch up. Database errors propagate: the batch
     was then not submitted.
     """
-    result, _ = _submit(batch, runtime or current_runtime(), enqueue=enqueue)
+    result, _ = submit_one(batch, runtime or current_runtime(), enqueue=enqueue)
     return result
 
 
-def _submit(raw: object, rt: Runtime, *, enqueue: bool) -> tuple[SubmitResult, bool]:
-    """One submission of anything (JSON text, or a decoded JSON value of any type); the bool
-    says whether a publish was tried and failed."""
+def submit_one(raw: object, rt: Runtime, *, enqueue: bool) -> tuple[SubmitResult, bool]:
+    """One submission of anything (JSON text, or a decoded JSON value of any type), as
+    :func:`submit_batch`; the bool says whether a publish was tried and failed, so that a
+    caller with more batches can stop trying the broker."""
     data: Any
     if isinstance(raw, str | bytes):
         try:
@@ -164,6 +160,12 @@ def _submit(raw: object, rt: Runtime, *, enqueue: bool) -> tuple[SubmitResult, b
     return _counted(SubmitResult(batch.batch_id, "accepted", count)), failed
 
 
+def reject_unreadable(message: str) -> SubmitResult:
+    """The (counted) answer for a batch that could not even be read as JSON: ``batch_id``
+    null, one error at ``$`` saying why."""
+    return _rejected(None, 0, [{"path": "$", "message": message}])
+
+
 def _rejected(batch_id: str | None, items: int, errors: list[dict[str, str]]) -> SubmitResult:
     return _counted(SubmitResult(batch_id, "rejected", items, errors))
 
@@ -214,108 +216,3 @@ class _DedupWindow:
             self._client.set(self._keys.submit_dedup(batch_id), fp, nx=True, ex=self._ttl)
         except redis.RedisError as exc:
             log.warning("dedup_window_unavailable", error=str(exc))
-
-
-class InputError(PaymentWorkerError):
-    """The submitted input as a whole is unreadable (not JSON, too deep, no such file)."""
-
-
-def _read(source: str) -> str:
-    if source == "-" and sys.stdin is None:  # started with stdin closed (``<&-``)
-        raise InputError("cannot read -: standard input is closed")
-    try:
-        raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
-        return raw.decode("utf-8-sig")
-    except OSError as exc:
-        raise InputError(f"cannot read {source}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{source} is not UTF-8 text: {exc}") from None
-
-
-def iter_documents(text: str) -> Iterator[Any | InputError]:
-    """The batches of an input: one JSON object, a JSON array of them, or JSON lines.
-
-    A JSON-lines line that does not parse comes out as an :class:`InputError` in its place,
-    so the other lines are still handled; input that is none of the three raises it.
-    """
-    try:
-        whole = schemas.loads(text)
-    except ValueError as exc:
-        whole_error: ValueError | None = exc
-    else:
-        whole_error = None
-        if isinstance(whole, list):
-            yield from whole
-        else:
-            yield whole
-        return
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    first = _try_line(lines[0][1]) if lines else None
-    # only a first line that is a whole JSON object on its own makes this JSON lines;
-    # otherwise it is one broken JSON document, and the message should say where
-    if not isinstance(first, dict):
-        raise InputError(_unparsed("input", whole_error))
-    for n, line in lines:
-        try:
-            yield schemas.loads(line)
-        except ValueError as exc:
-            yield InputError(_unparsed(f"line {n}", exc))
-
-
-def _unparsed(what: str, exc: ValueError | None) -> str:
-    # too deep, or a lone surrogate, is well-formed JSON that is refused: not "invalid"
-    verdict = "is refused" if isinstance(exc, schemas.RefusedJSON) else "is not valid JSON"
-    return f"{what} {verdict}: {exc}"
-
-
-def _try_line(line: str) -> Any:
-    try:
-        return schemas.loads(line)
-    except ValueError:
-        return None
-
-
-def cli_submit(source: str, make_runtime: Callable[[], Runtime]) -> int:
-    """``payment-worker submit FILE|-``: one JSON line per batch on stdout.
-
-    Exit code 0 when every batch was accepted or duplicate; 2 when any was rejected or the
-    input is not JSON; 1 when the database failed (batches after the reported one were not
-    tried). After one failed publish the remaining batches are not published: they are
-    saved as pending and the sweeper enqueues them.
-    """
-    try:
-        documents = list(iter_documents(_read(source)))
-    except InputError as exc:
-        print(f"payment-worker submit: {exc}", file=sys.stderr)
-        return 2
-    if not documents:
-        print("payment-worker submit: the input holds no batch", file=sys.stderr)
-        return 2
-    rt = make_runtime()  # after the input was read: a bad file needs no database
-    rc = 0
-    enqueue = True
-    for doc in documents:
-        if isinstance(doc, InputError):
-            result = _rejected(None, 0, [{"path": "$", "message": str(doc)}])
-        else:
-            try:
-                result, failed = _submit(doc, rt, enqueue=enqueue)
-            except SQLAlchemyError as exc:
-                where = doc.get("batch_id") if isinstance(doc, dict) else None
-                print(
-                    f"payment-worker submit: database error at batch {where!r}, "
-                    f"it and the batches after it were not submitted: {exc}",
-                    file=sys.stderr,
-                )
-                return 1
-            if failed:
-                enqueue = False
-                print(
-                    "payment-worker submit: the broker is unreachable; accepted batches are "
-                    "saved as pending and the sweeper will enqueue them",
-                    file=sys.stderr,
-                )
-        if result.status == "rejected":
-            rc = 2
-        print(json.dumps(result.to_json(), ensure_ascii=False), flush=True)
-    return rc

@@ -16,8 +16,9 @@ import psycopg
 from sqlalchemy import Connection, text
 
 from payment_worker import runtime, submit_batch
+from payment_worker.cli import status as status_cli
 from payment_worker.db.batches import StatusRow, stream_status
-from payment_worker.producer import status as status_mod
+from payment_worker.producer.status import batch_statuses
 from tests.conftest import ROOT, PwEnv
 from tests.integration.test_producer import make_batch
 
@@ -102,7 +103,8 @@ def test_all_with_100k_items_is_streamed(pw_env: PwEnv, db_conn: psycopg.Connect
     with runtime.current().engine.connect() as conn:
         spy = Spy(conn, pulled)
         started = time.monotonic()
-        written = status_mod.write_json(counting(stream_status(conn, None), pulled), spy)
+        batches = batch_statuses(counting(stream_status(conn, None), pulled))
+        written = status_cli.write_json(batches, spy)
         elapsed = time.monotonic() - started
     assert spy.first is not None
     rows_pulled_at_first_item, open_cursors = spy.first

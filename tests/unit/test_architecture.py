@@ -16,8 +16,6 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "payment_worker"
-# the command line wires the dev commands (demo, gateway-sim) to the runtime
-COMPOSITION_ROOTS = {"payment_worker.cli"}
 # the only modules pure domain code may use from the package: itself, the errors, and the
 # gateway's answer classes (a pure decision table)
 DOMAIN_MAY_IMPORT = (
@@ -44,6 +42,11 @@ def _sources() -> dict[str, Path]:
 
 
 MODULES = _sources()
+# the command line (every module of the package) wires the dev commands (demo, gateway-sim)
+# to the runtime
+COMPOSITION_ROOTS = {
+    n for n in MODULES if n == "payment_worker.cli" or n.startswith("payment_worker.cli.")
+}
 
 
 def _imports(name: str, path: Path) -> Iterator[str]:

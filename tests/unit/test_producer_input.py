@@ -3,6 +3,7 @@ stderr, exit code 2, no traceback, nothing submitted. No services needed."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import sys
@@ -11,9 +12,12 @@ from typing import Any
 
 import pytest
 
+from payment_worker.cli import submit as submit_cli
+from payment_worker.cli.common import Context
+from payment_worker.cli.submit import InputError, iter_documents
 from payment_worker.domain.batch_schema import MAX_JSON_DEPTH
 from payment_worker.producer import submit as producer
-from payment_worker.producer.submit import InputError, cli_submit, iter_documents, submit_batch
+from payment_worker.producer.submit import submit_batch
 from payment_worker.runtime import Runtime, ServiceUrls
 from payment_worker.settings import Settings
 from tests.unit.test_schemas import DEEP, batch, deep_value, item
@@ -61,16 +65,17 @@ REFUSED_INPUTS = {
 
 @pytest.fixture
 def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Run:
-    """``cli_submit("-")`` in this process on the given stdin: (exit code, stdout, stderr)."""
+    """``payment-worker submit -`` in this process on the given stdin: (exit code, stdout,
+    stderr)."""
 
     def never_submitted(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a refused input reached submission")
 
-    monkeypatch.setattr(producer, "_submit", never_submitted)
+    monkeypatch.setattr(producer, "submit_one", never_submitted)
 
     def run(text: str) -> tuple[int, str, str]:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
-        rc = cli_submit("-", lambda: NO_RUNTIME)
+        rc = submit_cli.submit(argparse.Namespace(file="-"), Context(Settings(), NO_RUNTIME))
         out, err = capsys.readouterr()
         return rc, out, err
 
@@ -110,7 +115,7 @@ def test_closed_stdin_is_an_input_error(monkeypatch: pytest.MonkeyPatch) -> None
     # what Python makes of ``payment-worker submit - <&-``
     monkeypatch.setattr(sys, "stdin", None)
     with pytest.raises(InputError, match="standard input is closed"):
-        producer._read("-")
+        submit_cli._read("-")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,58 @@
+"""What every command shares: its :class:`Context`, and how a run ends (exit codes, clean-up)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from payment_worker import embedded, runtime
+from payment_worker.runtime import Runtime
+from payment_worker.settings import Settings, SettingsError
+
+
+@dataclass
+class Context:
+    """What a command is handed: the settings, and this process's runtime on first use (a
+    command that only reads its input never starts a server)."""
+
+    settings: Settings
+    _runtime: Runtime | None = field(default=None, repr=False)
+
+    def runtime(self) -> Runtime:
+        """The process's runtime, built on first use."""
+        if self._runtime is None:
+            self._runtime = runtime.install(Runtime(self.settings))
+        return self._runtime
+
+
+Command = Callable[[argparse.Namespace, Context], int]
+"""The body of one command: its parsed arguments and context in, its exit code out."""
+
+
+def run_command(command: Command, args: argparse.Namespace, settings: Settings) -> int:
+    """Run ``command`` with logs on stderr, then release this process's runtime."""
+    from payment_worker.ops.logging import configure_logging
+
+    # logs go to stderr, so a command's own output (JSON lines, tables) stays clean
+    configure_logging(settings.log_level, settings.log_json)
+    try:
+        return command(args, Context(settings))
+    finally:
+        runtime.reset()
+
+
+def guarded(body: Callable[[], int]) -> int:
+    """Run ``body`` and turn the failures of the set-up into exit codes, without a traceback:
+    a bad setting or an embedded-server problem is one line and 2, Ctrl-C is 130."""
+    try:
+        return body()
+    except SettingsError as exc:
+        return int(exc.code or 2)
+    except embedded.EmbeddedError as exc:
+        # a missing extra, an OS user that cannot be created...: the set-up, not a bug
+        print(f"payment-worker: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
