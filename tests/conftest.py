@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -170,6 +171,15 @@ def db_conn(pw_env: PwEnv) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
 def redis_client(pw_env: PwEnv) -> redis.Redis:
     """A client of the test's (flushed) application Redis database."""
     return redis.Redis.from_url(pw_env.redis_url)
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A local TCP port nobody listens on: connecting to it is refused at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
