@@ -3,18 +3,22 @@
 Integration tests talk to a real PostgreSQL and a real Redis: the ones named by
 DATABASE_URL / REDIS_URL when set, the embedded servers otherwise. Each test gets a fresh
 database cloned from a migrated template (CREATE DATABASE ... TEMPLATE ...) and its own
-flushed Redis database numbers. A missing service skips the test locally and fails it
-when CI=true.
+flushed Redis database numbers. A server named by a URL that is down skips the test locally
+(the environment) and fails it when CI=true; an embedded server that cannot be started or
+reached while its extra is installed always fails it (that is the code's job, see
+:func:`service_verdict`).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, NoReturn
 
 import psycopg
 import pytest
@@ -35,10 +39,48 @@ APP_REDIS_DB, BROKER_REDIS_DB = (
 _counter = itertools.count()
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"service unavailable in CI: {why}")
-    pytest.skip(f"service unavailable: {why}")
+# the URL variable of each service, which the embedded servers serve when it is unset
+_URL_VARIABLES = {"PostgreSQL": "DATABASE_URL", "Redis": "REDIS_URL"}
+
+
+def service_verdict(
+    service: str, error: BaseException, *, url_set: bool, embedded_installed: bool, ci: bool
+) -> tuple[Literal["fail", "skip"], str]:
+    """What an unavailable service means for the tests that need it: fail them or skip them.
+
+    A server named by a URL that does not answer is the environment: skipped locally. With
+    no URL the embedded server is started by our own code; if its extra is installed and it
+    still cannot be started or reached, that is a regression, which a skip would hide: fail.
+    Without the extra it is the environment again. In CI nothing is ever skipped.
+    """
+    why = f"{service}: {type(error).__name__}: {error}"
+    if ci:
+        return "fail", f"service unavailable in CI: {why}"
+    if not url_set and embedded_installed:
+        variable = _URL_VARIABLES[service]
+        return "fail", (
+            f"the embedded server did not start or answer ({variable} unset, the embedded "
+            f"extra installed: a bug, not the environment): {why}"
+        )
+    return "skip", f"service unavailable: {why}"
+
+
+def _unavailable(service: str, error: BaseException, *, url_set: bool) -> NoReturn:
+    installed = False
+    if not url_set:
+        from payment_worker.embedded.errors import missing_for
+
+        installed = _URL_VARIABLES[service] not in missing_for(None, None)
+    verdict, message = service_verdict(
+        service,
+        error,
+        url_set=url_set,
+        embedded_installed=installed,
+        ci=os.environ.get("CI", "").lower() == "true",
+    )
+    if verdict == "fail":
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
 
 
 def _with_db(url: str, dbname: str) -> str:
@@ -80,11 +122,12 @@ def service_urls() -> ServiceUrls:
         else:
             from payment_worker import embedded
 
-            pg = embedded.postgres_url(Settings().home)
+            s = Settings()
+            pg = embedded.postgres_url(s.home, s.embedded_pg_os_user)
         with psycopg.connect(pg, connect_timeout=5) as conn:
             conn.execute("SELECT 1")
     except Exception as exc:
-        _unavailable(f"PostgreSQL: {exc}")
+        _unavailable("PostgreSQL", exc, url_set=bool(env_db))
     try:
         if env_redis:
             rurl = env_redis
@@ -94,7 +137,7 @@ def service_urls() -> ServiceUrls:
             rurl = embedded.redis_url(Settings().home)
         redis.Redis.from_url(rurl, socket_connect_timeout=3).ping()
     except Exception as exc:
-        _unavailable(f"Redis: {exc}")
+        _unavailable("Redis", exc, url_set=bool(env_redis))
     return ServiceUrls(pg_admin=pg, redis_base=rurl)
 
 
@@ -170,6 +213,15 @@ def db_conn(pw_env: PwEnv) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
 def redis_client(pw_env: PwEnv) -> redis.Redis:
     """A client of the test's (flushed) application Redis database."""
     return redis.Redis.from_url(pw_env.redis_url)
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A local TCP port nobody listens on: connecting to it is refused at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

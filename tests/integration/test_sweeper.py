@@ -1,0 +1,250 @@
+"""The sweeper (``run_sweep``) against real PostgreSQL and Redis, with the real broker.
+
+docs/processing.md, "Sweeper": one pass at a time (a Redis lock), accounts with due open
+items and no write for SWEEPER_STALE_AFTER whose lock is free get one batch enqueued, at
+most once per stale period, and the sweeper never calls the gateway. Publishes are observed
+in the broker itself: kombu's Redis transport keeps the ``payments`` queue as a Redis list.
+Rows are made old with an UPDATE of ``updated_at``, not by sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from prometheus_client import REGISTRY
+
+from payment_worker import runtime
+from payment_worker.db import work as repo
+from payment_worker.producer.submit import submit_batch
+from payment_worker.worker.sweeper import run_sweep
+from tests.conftest import ROOT, PwEnv
+from tests.integration.test_producer import broker_messages, make_batch
+from tests.sim_fixtures import SimHandle
+
+STALE = 1.0  # SWEEPER_STALE_AFTER of these tests, seconds
+
+
+@pytest.fixture
+def srt(pw_env: PwEnv, monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.Runtime]:
+    """The process runtime with a short stale period."""
+    monkeypatch.setenv("SWEEPER_STALE_AFTER", str(STALE))
+    runtime.reset()  # rebuilt from the setting above
+    rt = runtime.current()
+    assert rt.settings.sweeper_stale_after == STALE
+    yield rt
+    runtime.reset()
+
+
+def _save(batch_id: str, account: str, rt: runtime.Runtime, n: int = 2) -> None:
+    # enqueue=False: as if the broker had been down at submission
+    data = make_batch(batch_id, account=account, n=n, tx=batch_id)
+    assert submit_batch(data, runtime=rt, enqueue=False).status == "accepted"
+
+
+def _age(db: psycopg.Connection[Any], seconds: float = 60.0) -> None:
+    """Make every item look untouched for ``seconds`` (no sleep)."""
+    db.execute("UPDATE transactions SET updated_at = now() - make_interval(secs => %s)", (seconds,))
+
+
+def _sweeps(result: str) -> float:
+    return REGISTRY.get_sample_value("pw_sweeps_total", {"result": result}) or 0.0
+
+
+def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_batch_saved_while_the_broker_was_down_is_reenqueued(
+    srt: runtime.Runtime, pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    _save("b-1", "acct-1", srt)
+    # fresh rows are not stalled: the sweeper must not race a normal submission
+    assert run_sweep(srt) == {"result": "ok", "stalled": 0, "busy": 0, "reenqueued": []}
+    assert broker_messages(pw_env) == []
+    _age(db_conn)
+    assert run_sweep(srt) == {"result": "ok", "stalled": 1, "busy": 0, "reenqueued": ["b-1"]}
+    assert broker_messages(pw_env) == ["b-1"]
+
+
+def test_second_sweep_within_the_stale_period_publishes_nothing(
+    srt: runtime.Runtime, pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    _save("b-1", "acct-1", srt)
+    _age(db_conn)
+    first = time.monotonic()
+    assert run_sweep(srt)["reenqueued"] == ["b-1"]
+    again = run_sweep(srt)
+    assert time.monotonic() - first < STALE  # otherwise this check would prove nothing
+    # still stalled (nobody processed it), but already repaired in this period
+    assert again == {"result": "ok", "stalled": 1, "busy": 0, "reenqueued": []}
+    assert broker_messages(pw_env) == ["b-1"]
+    # at most once per period, not once for ever: after the period it is repaired again
+    _wait_until(lambda: run_sweep(srt)["reenqueued"] == ["b-1"], STALE * 3, "a second repair")
+    assert time.monotonic() - first >= STALE * 0.9
+    assert broker_messages(pw_env) == ["b-1", "b-1"]
+
+
+def test_accounts_whose_lock_is_held_are_busy_and_not_enqueued(
+    srt: runtime.Runtime, pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    _save("b-held", "acct-held", srt)
+    _save("b-free", "acct-free", srt)
+    _age(db_conn)
+    holder = srt.account_lock("acct-held")
+    assert holder.acquire()
+    try:
+        result = run_sweep(srt)
+        assert result == {"result": "ok", "stalled": 2, "busy": 1, "reenqueued": ["b-free"]}
+        assert broker_messages(pw_env) == ["b-free"]
+    finally:
+        holder.release()
+    # a busy account got no repair marker: once its lock is free it is repaired at once
+    # (acct-free is not published again: its period is not over)
+    result = run_sweep(srt)
+    assert result == {"result": "ok", "stalled": 2, "busy": 0, "reenqueued": ["b-held"]}
+    assert broker_messages(pw_env) == ["b-free", "b-held"]
+
+
+def test_a_concurrent_sweep_is_skipped(
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection[Any],
+    redis_client: redis.Redis,
+) -> None:
+    _save("b-1", "acct-1", srt)
+    _age(db_conn)
+    guard_key = f"{srt.settings.redis_key_prefix}:sweeper"
+    skipped_before = _sweeps("skipped")
+    # a table lock holds the first sweep inside its pass (its query waits), for real
+    blocker = psycopg.connect(pw_env.database_url)
+    results: dict[str, dict[str, Any]] = {}
+
+    def sweep(name: str) -> threading.Thread:
+        t = threading.Thread(target=lambda: results.update({name: run_sweep(srt)}))
+        t.start()
+        return t
+
+    threads = []
+    try:
+        blocker.execute("LOCK TABLE transactions IN ACCESS EXCLUSIVE MODE")
+        threads.append(sweep("first"))
+
+        def first_is_waiting() -> bool:
+            row = db_conn.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone()
+            return row is not None and row[0] == 1
+
+        _wait_until(first_is_waiting, 5, "the first sweep to wait on the table lock")
+        assert redis_client.exists(guard_key)
+        # in a thread too: a second pass that did not skip would wait on the table, and
+        # must fail this test rather than hang it
+        threads.append(sweep("second"))
+        threads[-1].join(5)
+        assert results.get("second") == {
+            "result": "skipped",
+            "reason": "another sweeper is running",
+        }
+        assert _sweeps("skipped") == skipped_before + 1
+        assert broker_messages(pw_env) == []
+    finally:
+        blocker.rollback()
+        blocker.close()
+        for t in threads:
+            t.join(10)
+    assert results["first"] == {"result": "ok", "stalled": 1, "busy": 0, "reenqueued": ["b-1"]}
+    assert broker_messages(pw_env) == ["b-1"]
+    # the pass released its lock: the next one runs (and publishes nothing, same period)
+    assert not redis_client.exists(guard_key)
+    assert run_sweep(srt)["result"] == "ok"
+
+
+def test_sweeper_never_calls_the_gateway_even_with_items_in_doubt(
+    gateway_sim: SimHandle,
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection[Any],
+) -> None:
+    assert srt is runtime.current() and srt.settings.gateway_url == gateway_sim.url
+    _save("b-1", "acct-1", srt, n=3)
+    # a holder that records intent and dies: items left "dispatching", one made "unknown"
+    lock = srt.account_lock("acct-1")
+    assert lock.acquire()
+    with srt.engine.connect() as c:
+        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+        assert len(repo.claim_due(conn, "acct-1", lock.fence_token or 0, 10)) == 3
+    lock.release()
+    db_conn.execute("UPDATE transactions SET status = 'unknown' WHERE transaction_id = 'b-1-0'")
+    _age(db_conn)
+    before = db_conn.execute(
+        "SELECT transaction_id, status, attempts, lookups FROM transactions ORDER BY id"
+    ).fetchall()
+    assert [r[1] for r in before] == ["unknown", "dispatching", "dispatching"]
+
+    assert run_sweep(srt)["reenqueued"] == ["b-1"]
+    assert broker_messages(pw_env) == ["b-1"]
+    # nothing reached the gateway: no payment, lookup or token request
+    assert gateway_sim.requests("acct-1") == []
+    ledger = gateway_sim.ledger()
+    assert ledger["payments_sent"] == 0 and ledger["tokens_issued"] == 0
+    assert ledger["requests"]["total"] == 0, ledger["requests"]
+    # the in-doubt items are left for the next holder to look up, untouched
+    after = db_conn.execute(
+        "SELECT transaction_id, status, attempts, lookups FROM transactions ORDER BY id"
+    ).fetchall()
+    assert after == before
+
+
+SWEEP_CHILD = """
+import json
+from payment_worker import runtime
+from payment_worker.worker.sweeper import run_sweep
+print(json.dumps(run_sweep(runtime.current())))
+"""
+
+
+def test_a_failed_publish_leaves_no_marker_so_the_next_sweep_retries(
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection[Any],
+    redis_client: redis.Redis,
+    closed_port: int,
+) -> None:
+    _save("b-1", "acct-1", srt)
+    _age(db_conn)
+    # a sweep in a process whose broker refuses connections (a port nobody listens on); in
+    # this process Celery's broker is fixed at its first publish, hence the child
+    env = {**os.environ, "CELERY_BROKER_URL": f"redis://127.0.0.1:{closed_port}/0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SWEEP_CHILD],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "result": "broker_error",
+        "stalled": 1,
+        "reenqueued": [],
+    }
+    assert redis_client.keys(f"{srt.settings.redis_key_prefix}:swept:*") == []
+    # with the broker back, the very next sweep repairs it (no stale period lost)
+    assert run_sweep(srt)["reenqueued"] == ["b-1"]
+    assert broker_messages(pw_env) == ["b-1"]
