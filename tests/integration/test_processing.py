@@ -245,3 +245,39 @@ def test_a_long_drain_hands_the_account_back_to_the_queue(
         if not processing.run_account("acct-0000", batches[0]["batch_id"], res).handed_off:
             break
     assert _statuses(db_conn) == {"succeeded": 20}
+
+
+def test_a_terminal_row_never_moves_back(
+    res: runtime.Runtime,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    from payment_worker.db import work as repo
+    from payment_worker.db.fences import next_fence_token
+    from payment_worker.domain.statuses import DeadReason, TxStatus
+    from payment_worker.domain.transitions import Decision, ItemOutcome
+
+    batches = make_batches(batches=1, items=2, accounts=1, prefix="t", reject_every=2)
+    _submit(batches)
+    processing.run_account("acct-0000", batches[0]["batch_id"], res)
+    before = db_conn.execute("SELECT id, status, attempts FROM transactions ORDER BY id").fetchall()
+    assert [r[1] for r in before] == ["succeeded", "failed"]
+    # a late writer (a slow holder's outcome, a replayed answer) records over final rows:
+    # with a current token, so only the state condition can stop it
+    with res.engine.connect() as base:
+        conn = base.execution_options(isolation_level="AUTOCOMMIT")
+        token = next_fence_token(conn, "acct-0000")
+        late = [
+            ItemOutcome(
+                r[0],
+                9,
+                9,
+                Decision(
+                    TxStatus.DEAD, error_class="late", dead_reason=DeadReason.RETRIES_EXHAUSTED
+                ),
+            )
+            for r in before
+        ]
+        assert repo.record_outcomes(conn, "acct-0000", token, late) == 0
+    after = db_conn.execute("SELECT id, status, attempts FROM transactions ORDER BY id").fetchall()
+    assert after == before
+    assert db_conn.execute("SELECT count(*) FROM dead_letters").fetchone() == (0,)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -185,3 +186,38 @@ def test_no_per_process_cache_outside_the_runtime(name: str) -> None:
     text = MODULES[name].read_text()
     assert not [m for m in _CACHE_MARKERS if m in text], name
     assert _module_level_mutables(MODULES[name]) == [], name
+
+
+_SQL = re.compile(
+    r"\b(SELECT\s.+\sFROM|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM"
+    r"|CREATE\s+(TABLE|DATABASE|INDEX))\b",
+    re.I | re.S,
+)
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """ids of the docstring nodes: prose about SQL is fine, statements are not."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_sql_lives_in_db_only(name: str) -> None:
+    if name.startswith("payment_worker.db"):
+        return
+    tree = ast.parse(MODULES[name].read_text())
+    docs = _docstrings(tree)
+    statements = [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docs
+        and _SQL.search(node.value)
+    ]
+    assert statements == [], name
