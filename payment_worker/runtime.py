@@ -93,8 +93,11 @@ class Runtime:
         s = self.settings
         return Policy(
             max_attempts=s.retry_max_attempts,
-            max_lookups=s.lookup_max_attempts,
             backoff=Backoff(base=s.retry_base_delay, cap=s.retry_max_delay),
+            lookup_backoff=Backoff(base=s.retry_base_delay, cap=s.lookup_max_delay),
+            retry_after_max=s.retry_after_max_seconds,
+            in_doubt_max=s.in_doubt_max_seconds,
+            key_trust=s.key_trust_seconds,
         )
 
     @classmethod

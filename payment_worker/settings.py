@@ -72,7 +72,24 @@ class Settings(BaseSettings):
     retry_max_attempts: int = Field(8, ge=1)
     retry_base_delay: float = Field(1.0, gt=0)
     retry_max_delay: float = Field(300.0, gt=0)
+    # deprecated, ignored: patience with an in-doubt item is measured in time
+    # (IN_DOUBT_MAX_SECONDS), not in lookups; kept so existing deployments still start
     lookup_max_attempts: int = Field(6, ge=1)
+    # a Retry-After (or a pacing cooldown) is honoured up to this long
+    retry_after_max_seconds: float = Field(300.0, gt=0)
+
+    # --- in-doubt payments ----------------------------------------------------------------
+    # an item whose payment may have been sent is looked up (capped backoff) for this long
+    # after its oldest send in doubt; then it goes dead (unknown_unresolved) for a person
+    in_doubt_max_seconds: float = Field(3600.0, gt=0)
+    lookup_max_delay: float = Field(60.0, gt=0)
+    # how long the gateway remembers an idempotency key (the protocol promises 24 h): a
+    # lookup 404 proves "never applied" only while the oldest send in doubt is younger than
+    # this less a safety margin of a tenth of it (see docs/processing.md)
+    gateway_key_retention_seconds: float = Field(86400.0, gt=0)
+    # tests only: lets IN_DOUBT_MAX_SECONDS reach past the retention, to prove that a 404
+    # from a gateway that forgot the key never leads to a send. Never set it in production.
+    unsafe_allow_in_doubt_past_retention: bool = False
 
     # --- processing -------------------------------------------------------------------------
     # items claimed (intent recorded) per statement, and outcomes written per statement
@@ -138,7 +155,23 @@ class Settings(BaseSettings):
             raise ValueError("DRAIN_MAX_SECONDS must be below TASK_SOFT_TIME_LIMIT")
         if self.lock_safety_margin_ms >= self.lock_ttl_ms:
             raise ValueError("LOCK_SAFETY_MARGIN_MS must be below LOCK_TTL_MS")
+        if (
+            self.in_doubt_max_seconds > self.key_trust_seconds / 2
+            and not self.unsafe_allow_in_doubt_past_retention
+        ):
+            raise ValueError(
+                "IN_DOUBT_MAX_SECONDS must be well below GATEWAY_KEY_RETENTION_SECONDS (at most "
+                f"half of its trusted part, {self.key_trust_seconds / 2:.0f}s): an item still in "
+                "doubt when the gateway forgets its key can never be resolved by a lookup"
+            )
         return self
+
+    @property
+    def key_trust_seconds(self) -> float:
+        """How long after a send a lookup 404 still proves "never applied": the gateway's
+        key retention less a safety margin of a tenth of it (clock skew between the gateway
+        and the database, the retention counted from the gateway's receipt, lookup latency)."""
+        return self.gateway_key_retention_seconds * 0.9
 
     @property
     def home(self) -> Path:

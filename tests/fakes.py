@@ -30,7 +30,7 @@ from payment_worker.domain.statuses import (
     TERMINAL_TX_STATUSES,
     TxStatus,
 )
-from payment_worker.domain.transitions import ItemOutcome
+from payment_worker.domain.transitions import Doubt, ItemOutcome
 from payment_worker.errors import FencedOut, LockLost
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
 from payment_worker.worker.ports import Guard
@@ -65,6 +65,8 @@ class Row:
     payment_id: str | None = None
     error_class: str | None = None
     fingerprint_ok: bool = True
+    dispatched_at: float | None = None
+    doubt_since: float | None = None
     beneficiary: dict[str, Any] = field(
         default_factory=lambda: {"bank_code": "014", "account_number": "1", "name": "B"}
     )
@@ -131,11 +133,14 @@ class FakeStore:
             key=lambda r: (r.batch_pk, r.id),
         )[:limit]
         claimed = []
+        now = self.clock()
         for r in due:
             if r.status in SENDABLE_TX_STATUSES:
                 r.status, r.attempts = TxStatus.DISPATCHING, r.attempts + 1
             elif r.status is TxStatus.DISPATCHING:
                 r.status = TxStatus.UNKNOWN  # a crashed holder's: maybe sent
+                r.doubt_since = r.doubt_since or r.dispatched_at or 0.0
+            r.dispatched_at = now
             req = r.request()
             claimed.append(
                 ClaimedItem(
@@ -152,6 +157,7 @@ class FakeStore:
                     attempts=r.attempts,
                     lookups=r.lookups,
                     request_fingerprint=req.fingerprint() if r.fingerprint_ok else "changed",
+                    doubt_age=None if r.doubt_since is None else now - r.doubt_since,
                 )
             )
         return claimed
@@ -166,6 +172,12 @@ class FakeStore:
                 continue  # terminal (or reset) rows never move back
             d = o.decision
             r.status, r.attempts, r.lookups = d.status, o.attempts, o.lookups
+            if d.doubt is Doubt.SINCE_DISPATCH:
+                r.doubt_since = r.doubt_since if r.doubt_since is not None else r.dispatched_at
+            elif d.doubt is Doubt.RESET_TO_DISPATCH:
+                r.doubt_since = r.dispatched_at
+            elif d.doubt is Doubt.CLEAR:
+                r.doubt_since = None
             r.due_at = self.clock() + max(d.delay, 0.0)
             r.payment_id = d.payment_id or r.payment_id
             r.error_class = d.error_class

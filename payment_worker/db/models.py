@@ -105,6 +105,10 @@ transactions = Table(
     Column("fence_token", BigInteger, nullable=False, server_default="0"),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # the start of the latest step that may have sent (every claim sets it)
+    Column("dispatched_at", DateTime(timezone=True)),
+    # the oldest send whose outcome is not known; NULL when nothing is in doubt
+    Column("doubt_since", DateTime(timezone=True)),
     UniqueConstraint("account_id", "transaction_id", name="transactions_account_tx_key"),
     CheckConstraint("amount > 0", name="transactions_amount_check"),
     CheckConstraint(_in("status", TxStatus), name="transactions_status_check"),

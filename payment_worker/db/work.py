@@ -52,6 +52,8 @@ class ClaimedItem:
     attempts: int
     lookups: int
     request_fingerprint: str | None
+    # seconds since the oldest send in doubt (database clock); None when nothing is in doubt
+    doubt_age: float | None = None
 
 
 # the status lists of the statements below, rendered once
@@ -79,11 +81,17 @@ upd AS (
         status = CASE WHEN due.prev IN ({_SENDABLE})
                       THEN 'dispatching' ELSE 'unknown' END,
         attempts = t.attempts + CASE WHEN due.prev IN ({_SENDABLE}) THEN 1 ELSE 0 END,
+        -- a crashed holder's send (its dispatched_at, the old value here) is now in doubt
+        doubt_since = CASE WHEN due.prev = 'dispatching'
+                           THEN COALESCE(t.doubt_since, t.dispatched_at, t.created_at)
+                           ELSE t.doubt_since END,
+        dispatched_at = now(),
         fence_token = :tok,
         updated_at = now()
     FROM due WHERE t.id = due.id
     RETURNING t.id, t.batch_pk, t.account_id, t.transaction_id, t.amount, t.currency,
-              t.beneficiary, t.description, t.idempotency_key, t.status, t.attempts, t.lookups
+              t.beneficiary, t.description, t.idempotency_key, t.status, t.attempts, t.lookups,
+              EXTRACT(EPOCH FROM now() - t.doubt_since)::float8 AS doubt_age
 ),
 started AS (
     UPDATE batches b SET status = 'processing', updated_at = now()
@@ -116,6 +124,7 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list
             attempts=r["attempts"],
             lookups=r["lookups"],
             request_fingerprint=r["request_fingerprint"],
+            doubt_age=r["doubt_age"],
         )
         for r in rows
         if r["id"] is not None
@@ -127,11 +136,18 @@ WITH {FENCE_CTE},
 v AS (
     SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(
         id bigint, status text, attempts int, lookups int, delay double precision,
-        payment_id text, error_class text, error text, key_status text, dead_reason text)
+        payment_id text, error_class text, error text, key_status text, dead_reason text,
+        doubt text)
 ),
 upd AS (
     UPDATE transactions t SET
         status = v.status, attempts = v.attempts, lookups = v.lookups,
+        -- see domain.transitions.Doubt: this step's send dates from its claim
+        doubt_since = CASE v.doubt
+            WHEN 'since_dispatch' THEN COALESCE(t.doubt_since, t.dispatched_at)
+            WHEN 'reset' THEN t.dispatched_at
+            WHEN 'clear' THEN NULL
+            ELSE t.doubt_since END,
         next_attempt_at = now() + make_interval(secs => v.delay),
         gateway_payment_id = COALESCE(v.payment_id, t.gateway_payment_id),
         last_error_class = v.error_class, last_error = v.error,
@@ -139,7 +155,7 @@ upd AS (
     FROM v, fence
     WHERE t.id = v.id AND t.account_id = :acct AND t.status IN ({_IN_DOUBT})
     RETURNING t.id, t.batch_pk, t.status, t.attempts, v.key_status, v.payment_id,
-              v.dead_reason, v.error_class, v.error, t.idempotency_key
+              v.dead_reason, v.error_class, v.error, t.idempotency_key, t.doubt_since
 ),
 keys AS (
     -- written once per step, with the outcome (the transaction row already holds the
@@ -153,7 +169,8 @@ keys AS (
 dead AS (
     INSERT INTO dead_letters (transaction_pk, batch_pk, reason, error_class, attempts, payload)
     SELECT id, batch_pk, dead_reason, error_class, attempts,
-           jsonb_build_object('last_error', error, 'idempotency_key', idempotency_key)
+           jsonb_build_object('last_error', error, 'idempotency_key', idempotency_key,
+                              'doubt_since', doubt_since)
     FROM upd WHERE status = 'dead'
     ON CONFLICT (transaction_pk) WHERE resolved_at IS NULL AND transaction_pk IS NOT NULL
     DO NOTHING
@@ -176,6 +193,7 @@ def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
         "error": (d.error[:1000] if d.error else None),
         "key_status": d.key_status,
         "dead_reason": d.dead_reason,
+        "doubt": d.doubt,
     }
 
 

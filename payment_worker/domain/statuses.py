@@ -48,6 +48,10 @@ class DeadReason(StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"
     UNKNOWN_UNRESOLVED = "unknown_unresolved"
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    # the gateway holds another answer under the key (a 422 whose lookup does not match)
+    KEY_CONFLICT = "key_conflict"
+    # a lookup said "not found" after the gateway may have forgotten the key: never resent
+    IN_DOUBT_KEY_EXPIRED = "in_doubt_key_expired"
 
 
 TERMINAL_TX_STATUSES: Final = frozenset({TxStatus.SUCCEEDED, TxStatus.FAILED, TxStatus.DEAD})

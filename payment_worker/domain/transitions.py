@@ -1,16 +1,27 @@
-"""The transaction state machine of design.md, as pure functions (no I/O).
+"""The transaction state machine of docs/architecture.md, as pure functions (no I/O).
 
-Given an item's counters and what the gateway answered, decide its next state. The
-processing loop applies the decision; the repository writes it, fenced.
+Given an item's counters, how long it has been in doubt, and what the gateway answered,
+decide its next state. The drain loop applies the decision; the repository writes it, fenced.
 
     pending/retryable --send--> succeeded | failed | retryable | unknown | dead
-    unknown --lookup--> succeeded | failed | (not found: send again, same key) | unknown | dead
+    send answered 422 --lookup--> succeeded | failed | unknown | dead (key_conflict)
+    unknown --lookup--> succeeded | failed | (not found in time: send again, same key)
+                        | unknown (look again later) | dead
+
+"Maybe sent" is measured in time: every item in doubt carries the time of its oldest send
+whose outcome is not known (``doubt_since`` in the database; its age reaches these
+functions as ``doubt_age``). A lookup 404 proves "never applied" only while that age is
+below what the gateway is trusted to remember (:attr:`Policy.key_trust`); past it the item
+is never sent again automatically. Lookups that get no final answer use up nothing but
+time, until :attr:`Policy.in_doubt_max`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
+from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.retry import Backoff
 from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, DeadReason, KeyStatus, TxStatus
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
@@ -18,11 +29,27 @@ from payment_worker.gateway.outcomes import GatewayResult, Outcome
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """Retry limits and timing (from settings)."""
+    """Limits and timing (from settings)."""
 
-    max_attempts: int
-    max_lookups: int
-    backoff: Backoff
+    max_attempts: int  # sends answered "not applied" before dead (retries_exhausted)
+    backoff: Backoff  # between sends
+    lookup_backoff: Backoff  # between lookups of an item in doubt (capped)
+    retry_after_max: float  # a Retry-After is honoured up to this long
+    in_doubt_max: float  # seconds in doubt before dead (unknown_unresolved)
+    key_trust: float  # seconds after a send within which a 404 proves "never applied"
+
+    def retry_after(self, result: GatewayResult) -> float:
+        """The answer's Retry-After, capped: the floor of the next attempt."""
+        return min(result.retry_after or 0.0, self.retry_after_max)
+
+
+class Doubt(StrEnum):
+    """What a step does to the item's oldest send in doubt (``doubt_since``)."""
+
+    KEEP = "keep"  # nothing new is in doubt, nothing was cleared
+    SINCE_DISPATCH = "since_dispatch"  # this step's send is in doubt (the older one stays)
+    RESET_TO_DISPATCH = "reset"  # a 404 cleared the old doubt; this step's send is in doubt
+    CLEAR = "clear"  # a 404 cleared the old doubt and nothing new is in doubt
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +63,8 @@ class Decision:
     error: str | None = None
     key_status: KeyStatus | None = None  # the idempotency_keys row's new status
     dead_reason: DeadReason | None = None
-    send_now: bool = False  # lookup said "never applied": send again now, same key
+    send_now: bool = False  # lookup proved "never applied": send again now, same key
+    doubt: Doubt = Doubt.KEEP
 
     @property
     def terminal(self) -> bool:
@@ -52,15 +80,19 @@ class ItemOutcome:
     """
 
     item_id: int  # transactions.id
-    attempts: int  # sends so far, this step's included
-    lookups: int  # lookups so far, this step's included
+    attempts: int  # sends that reached the gateway, this step's included
+    lookups: int  # lookups that reached the gateway, this step's included
     decision: Decision
 
 
 def _final(result: GatewayResult) -> Decision | None:
+    # the outcome is known: nothing is in doubt any more
     if result.outcome is Outcome.SUCCEEDED:
         return Decision(
-            TxStatus.SUCCEEDED, payment_id=result.payment_id, key_status=KeyStatus.APPLIED
+            TxStatus.SUCCEEDED,
+            payment_id=result.payment_id,
+            key_status=KeyStatus.APPLIED,
+            doubt=Doubt.CLEAR,
         )
     if result.outcome is Outcome.DECLINED:
         return Decision(
@@ -68,16 +100,30 @@ def _final(result: GatewayResult) -> Decision | None:
             error_class=result.error_class,
             error=result.error,
             key_status=KeyStatus.DECLINED,
+            doubt=Doubt.CLEAR,
         )
     return None
 
 
-def after_send(result: GatewayResult, *, attempts: int, lookups: int, policy: Policy) -> Decision:
-    """Next state after ``create_payment``; ``attempts`` counts this send."""
+def after_send(
+    result: GatewayResult,
+    *,
+    attempts: int,
+    lookups: int,
+    policy: Policy,
+    cleared: bool = False,
+) -> Decision:
+    """Next state after ``create_payment``.
+
+    ``attempts`` counts this send if it reached the gateway; ``cleared`` says a lookup of
+    this step proved the earlier sends never applied. A 422 is not decided here: the caller
+    looks the key up and calls :func:`after_conflict`.
+    """
     final = _final(result)
     if final is not None:
         return final
     if result.outcome is Outcome.PERMANENT:
+        # 400: malformed, nothing applied; never "failed" for anything that may have paid
         return Decision(
             TxStatus.FAILED,
             error_class=result.error_class,
@@ -85,37 +131,85 @@ def after_send(result: GatewayResult, *, attempts: int, lookups: int, policy: Po
             key_status=KeyStatus.REJECTED,
         )
     if result.outcome is Outcome.RETRY:
-        if attempts >= policy.max_attempts:
+        doubt = Doubt.CLEAR if cleared else Doubt.KEEP
+        if result.sent and attempts >= policy.max_attempts:
             return Decision(
                 TxStatus.DEAD,
                 error_class=result.error_class,
                 error=result.error,
                 key_status=KeyStatus.NOT_APPLIED,
                 dead_reason=DeadReason.RETRIES_EXHAUSTED,
+                doubt=doubt,
             )
-        delay = policy.backoff.delay(attempts, floor=result.retry_after or 0.0)
+        delay = policy.backoff.delay(max(attempts, 1), floor=policy.retry_after(result))
         return Decision(
             TxStatus.RETRYABLE,
             delay=delay,
             error_class=result.error_class,
             error=result.error,
             key_status=KeyStatus.NOT_APPLIED,
+            doubt=doubt,
         )
-    # UNKNOWN (and anything unexpected): maybe sent. Only a lookup may decide it.
+    # UNKNOWN (409, an odd 2xx, timeouts, 500/502/504, anything unexpected): maybe sent.
+    # Only a lookup may decide it.
     return Decision(
         TxStatus.UNKNOWN,
-        delay=policy.backoff.delay(lookups + 1),
+        delay=policy.lookup_backoff.delay(lookups + 1, floor=policy.retry_after(result)),
         error_class=result.error_class,
         error=result.error,
+        doubt=Doubt.RESET_TO_DISPATCH if cleared else Doubt.SINCE_DISPATCH,
     )
 
 
-def after_lookup(result: GatewayResult, *, attempts: int, lookups: int, policy: Policy) -> Decision:
-    """Next state after ``lookup_payment``; ``lookups`` counts this lookup."""
+def _still_in_doubt(
+    result: GatewayResult, *, lookups: int, doubt_age: float | None, policy: Policy, doubt: Doubt
+) -> Decision:
+    """No final answer: look again later, or give up once in doubt for too long."""
+    if doubt_age is not None and doubt_age >= policy.in_doubt_max:
+        # still unknown: never "failed", because money may have left; a person decides
+        return Decision(
+            TxStatus.DEAD,
+            error_class=result.error_class,
+            error=result.error,
+            dead_reason=DeadReason.UNKNOWN_UNRESOLVED,
+            doubt=doubt,
+        )
+    return Decision(
+        TxStatus.UNKNOWN,
+        delay=policy.lookup_backoff.delay(max(lookups, 1), floor=policy.retry_after(result)),
+        error_class=result.error_class,
+        error=result.error,
+        doubt=doubt,
+    )
+
+
+def after_lookup(
+    result: GatewayResult,
+    *,
+    attempts: int,
+    lookups: int,
+    doubt_age: float | None,
+    policy: Policy,
+) -> Decision:
+    """Next state after ``lookup_payment`` of an item in doubt.
+
+    ``lookups`` counts this lookup if it reached the gateway; ``doubt_age`` is the age of
+    the oldest send in doubt (None: nothing recorded, which a migrated row never is).
+    """
     final = _final(result)
     if final is not None:
         return final
     if result.outcome is Outcome.NOT_FOUND:
+        if doubt_age is not None and doubt_age >= policy.key_trust:
+            # the gateway may have forgotten the key: a 404 proves nothing any more, and a
+            # send now could pay a second time. Never resend automatically.
+            return Decision(
+                TxStatus.DEAD,
+                error_class="not_found_after_retention",
+                error=f"lookup 404 {doubt_age:.0f}s after the oldest send in doubt; the "
+                "gateway may have forgotten the key: check with the gateway, resolve by hand",
+                dead_reason=DeadReason.IN_DOUBT_KEY_EXPIRED,
+            )
         if attempts >= policy.max_attempts:
             # never applied and out of attempts: safe to give up, nothing was paid
             return Decision(
@@ -124,19 +218,62 @@ def after_lookup(result: GatewayResult, *, attempts: int, lookups: int, policy: 
                 error="never applied; attempts exhausted",
                 key_status=KeyStatus.NOT_APPLIED,
                 dead_reason=DeadReason.RETRIES_EXHAUSTED,
+                doubt=Doubt.CLEAR,
             )
-        return Decision(TxStatus.UNKNOWN, send_now=True, key_status=KeyStatus.NOT_APPLIED)
-    if lookups >= policy.max_lookups:
-        # still unknown: never "failed", because money may have left
         return Decision(
-            TxStatus.DEAD,
-            error_class=result.error_class,
-            error=result.error,
-            dead_reason=DeadReason.UNKNOWN_UNRESOLVED,
+            TxStatus.UNKNOWN, send_now=True, key_status=KeyStatus.NOT_APPLIED, doubt=Doubt.CLEAR
         )
+    return _still_in_doubt(
+        result, lookups=lookups, doubt_age=doubt_age, policy=policy, doubt=Doubt.KEEP
+    )
+
+
+def after_conflict(
+    found: GatewayResult,
+    request: PaymentRequest,
+    *,
+    lookups: int,
+    doubt_age: float | None,
+    policy: Policy,
+) -> Decision:
+    """Next state after a create answered 422 and the lookup of its key.
+
+    The gateway holds an answer under this key. A stored 201 of this very transaction
+    (same transaction id, amount, currency) is our payment; a stored 402 is a decline;
+    anything else stored is a conflict a person must look at. No final answer yet: still in
+    doubt (the 422 says something is stored), looked up again later.
+    """
+    if found.outcome is Outcome.SUCCEEDED:
+        stored = found.stored or {}
+        same = (
+            stored.get("transaction_id") == request.transaction_id
+            and stored.get("amount") == request.amount
+            and stored.get("currency") == request.currency
+        )
+        if same:
+            return Decision(
+                TxStatus.SUCCEEDED,
+                payment_id=found.payment_id,
+                key_status=KeyStatus.APPLIED,
+                doubt=Doubt.CLEAR,
+            )
+    elif found.outcome is Outcome.DECLINED:
+        return Decision(
+            TxStatus.FAILED,
+            error_class=found.error_class,
+            error=found.error,
+            key_status=KeyStatus.DECLINED,
+            doubt=Doubt.CLEAR,
+        )
+    elif found.outcome is not Outcome.NOT_FOUND:
+        return _still_in_doubt(
+            found, lookups=lookups, doubt_age=doubt_age, policy=policy, doubt=Doubt.SINCE_DISPATCH
+        )
+    held = found.stored if found.stored is not None else found.error
     return Decision(
-        TxStatus.UNKNOWN,
-        delay=policy.backoff.delay(lookups, floor=result.retry_after or 0.0),
-        error_class=result.error_class,
-        error=result.error,
+        TxStatus.DEAD,
+        error_class="key_conflict",
+        error=f"422 idempotency_key_reused; the gateway holds: {held}",
+        dead_reason=DeadReason.KEY_CONFLICT,
+        doubt=Doubt.SINCE_DISPATCH,
     )

@@ -21,6 +21,7 @@ from urllib.parse import quote
 
 import httpx
 import redis
+from redis.exceptions import RedisError
 
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.gateway.outcomes import (
@@ -29,6 +30,7 @@ from payment_worker.gateway.outcomes import (
     classify_create,
     classify_lookup,
     classify_transport_error,
+    client_error,
     not_sent,
 )
 from payment_worker.gateway.pacing import Pacer
@@ -55,7 +57,7 @@ def check_idempotency_key(key: str) -> None:
 
 
 class GatewayClient:
-    """Thread-safe client of the aggregator protocol (``shared/gateway-protocol.md``)."""
+    """Thread-safe client of the aggregator protocol (``docs/gateway-protocol.md``)."""
 
     def __init__(self, settings: Settings, redis: redis.Redis) -> None:
         self._settings = settings
@@ -199,16 +201,21 @@ class GatewayClient:
         result: GatewayResult | None = None
         # at most two sends: the second only after a 401 and a compare-and-refresh
         for _ in range(2):
-            token = self.tokens.get(account_id, rejected=rejected)
-            if isinstance(token, GatewayResult):
-                if token.retry_after is not None:
-                    self.pacer.cooldown(account_id, token.retry_after)
-                return self._done(endpoint, account_id, token)
-            paced = self.pacer.acquire(
-                account_id,
-                self._settings.rate_for(account_id),
-                self._settings.gateway_pacing_max_wait,
-            )
+            try:
+                token = self.tokens.get(account_id, rejected=rejected)
+                if isinstance(token, GatewayResult):
+                    if token.retry_after is not None:
+                        self._cooldown(account_id, token.retry_after)
+                    return self._done(endpoint, account_id, token)
+                paced = self.pacer.acquire(
+                    account_id,
+                    self._settings.rate_for(account_id),
+                    self._settings.gateway_pacing_max_wait,
+                )
+            except RedisError as exc:
+                # the shared token or the pacing bucket is out of reach: nothing was sent
+                res = not_sent("redis_error", f"{type(exc).__name__}: {exc}")
+                return self._done(endpoint, account_id, res)
             if not paced.acquired:
                 res = not_sent(
                     "paced",
@@ -221,7 +228,7 @@ class GatewayClient:
             result = self._send(endpoint, classify, send, token)
             if result.http_status == 429:
                 GATEWAY_RATE_LIMITED.labels(endpoint=endpoint).inc()
-                self.pacer.cooldown(account_id, result.retry_after or 1.0)
+                self._cooldown(account_id, result.retry_after or 1.0)
             if result.http_status != 401:
                 break
             GATEWAY_UNAUTHORIZED.labels(endpoint=endpoint).inc()
@@ -239,11 +246,25 @@ class GatewayClient:
         start = time.perf_counter()
         try:
             resp = send(token)
+            return classify(resp.status_code, resp.headers, resp.content)
         except httpx.TransportError as exc:
             return classify_transport_error(exc)
+        except Exception as exc:
+            # a body that does not decode, a bug in the HTTP stack: the request may have
+            # left, so the answer is "maybe sent", and the item is looked up, never dropped
+            log.exception("gateway client error", endpoint=endpoint)
+            return client_error(exc)
         finally:
             GATEWAY_REQUEST_SECONDS.labels(endpoint=endpoint).observe(time.perf_counter() - start)
-        return classify(resp.status_code, resp.headers, resp.content)
+
+    def _cooldown(self, account_id: str, seconds: float) -> None:
+        """Close the account for every process, for at most RETRY_AFTER_MAX_SECONDS."""
+        seconds = min(seconds, self._settings.retry_after_max_seconds)
+        try:
+            self.pacer.cooldown(account_id, seconds)
+        except RedisError as exc:
+            # the answer is still classified; the next request may meet a 429 again
+            log.warning("pacing cooldown not recorded", account_id=account_id, error=str(exc))
 
     def _done(self, endpoint: str, account_id: str, result: GatewayResult) -> GatewayResult:
         GATEWAY_REQUESTS.labels(endpoint=endpoint, outcome=result.outcome.value).inc()

@@ -2,7 +2,7 @@
 
 Every answer (an HTTP status, or a transport failure) maps to exactly one :class:`Outcome`.
 The tables below are the single place where that mapping lives; they follow
-``shared/gateway-protocol.md`` row by row. Anything the page does not list is treated as
+``docs/gateway-protocol.md`` row by row. Anything the page does not list is treated as
 "maybe sent" (UNKNOWN), because only a lookup can prove a payment was not applied.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
 from typing import Any
@@ -22,12 +22,16 @@ import httpx
 class Outcome(StrEnum):
     """What the worker should do with a transaction after one gateway answer."""
 
-    SUCCEEDED = "succeeded"  # 201, 200 replay; lookup 200 whose stored http_status is 201
+    # 201 / 200 replay with a payment body; lookup 200 whose stored answer is such a 201
+    SUCCEEDED = "succeeded"
     DECLINED = "declined"  # 402 (final); lookup 200 whose stored http_status is 402
-    PERMANENT = "permanent"  # 400, 422
-    RETRY = "retry"  # not applied: 401 (after one refresh), 409, 429, 503, nothing sent
-    UNKNOWN = "unknown"  # read timeout, reset after sending, 500, 502, 504
-    NOT_FOUND = "not_found"  # lookup 404: never applied -> safe to resend with the same key
+    PERMANENT = "permanent"  # 400: malformed, nothing applied
+    CONFLICT = "conflict"  # 422: the gateway holds an answer under this key; look it up
+    RETRY = "retry"  # not applied: 401 (after one refresh), 429, 503, nothing sent
+    # maybe sent: 409 (a request with this key is still being processed), a 2xx without a
+    # payment body, read timeout, reset after sending, 500, 502, 504, anything unlisted
+    UNKNOWN = "unknown"
+    NOT_FOUND = "not_found"  # lookup 404 (the protocol's): never applied, or key forgotten
     IN_FLIGHT = "in_flight"  # lookup 409
 
 
@@ -42,6 +46,11 @@ class GatewayResult:
     retry_after: float | None = None  # seconds, from Retry-After on 429
     replayed: bool = False  # Idempotent-Replayed: true
     error: str | None = None  # short human text for last_error
+    # False when nothing reached the gateway (no token, pacing, connection refused, Redis
+    # down): such a result uses up no attempt and no lookup
+    sent: bool = True
+    # a lookup 200's body: the stored answer (transaction_id, amount, currency...)
+    stored: dict[str, Any] | None = None
 
     @property
     def error_class(self) -> str:
@@ -61,8 +70,8 @@ CREATE_TABLE: dict[int, Outcome] = {
     402: Outcome.DECLINED,
     400: Outcome.PERMANENT,
     401: Outcome.RETRY,  # the client refreshes once and retries before returning this
-    409: Outcome.RETRY,
-    422: Outcome.PERMANENT,
+    409: Outcome.UNKNOWN,  # still being processed: it may still pay
+    422: Outcome.CONFLICT,
     429: Outcome.RETRY,
     500: Outcome.UNKNOWN,
     502: Outcome.UNKNOWN,
@@ -87,6 +96,7 @@ LOOKUP_STORED_TABLE: dict[int, Outcome] = {201: Outcome.SUCCEEDED, 402: Outcome.
 
 # Transport failures, by the httpx exception class (the first matching base class wins).
 # Connect errors and pool timeouts happen before a single byte of the request was sent.
+# The first three never reached the gateway (``sent`` is False).
 TRANSPORT_TABLE: tuple[tuple[type[httpx.TransportError], Outcome, str], ...] = (
     (httpx.ConnectTimeout, Outcome.RETRY, "connect_timeout"),
     (httpx.ConnectError, Outcome.RETRY, "connect_error"),
@@ -135,10 +145,22 @@ def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def is_payment_body(body: dict[str, Any]) -> bool:
+    """A stored or returned 201 body of the protocol: a payment id and status succeeded.
+
+    Anything else under a 2xx (a proxy's HTML page, an empty body) proves nothing: the
+    payment may or may not have been made, so it is "maybe sent", never "succeeded".
+    """
+    payment_id = body.get("payment_id")
+    return isinstance(payment_id, str) and bool(payment_id) and body.get("status") == "succeeded"
+
+
 def classify_create(status: int, headers: httpx.Headers, content: bytes) -> GatewayResult:
     """Classify the answer to a create-payment request."""
     body = _json_body(content)
     outcome = CREATE_TABLE.get(status, Outcome.UNKNOWN)
+    if outcome is Outcome.SUCCEEDED and not is_payment_body(body):
+        outcome = Outcome.UNKNOWN
     return _result(outcome, status, headers, body, content)
 
 
@@ -152,6 +174,9 @@ def classify_lookup(status: int, headers: httpx.Headers, content: bytes) -> Gate
             if isinstance(stored, int)
             else Outcome.UNKNOWN
         )
+        if outcome is Outcome.SUCCEEDED and not is_payment_body(body):
+            outcome = Outcome.UNKNOWN
+        return replace(_result(outcome, status, headers, body, content), stored=body)
     elif status == 404 and body.get("error") != "not_found":
         # a 404 that is not the protocol's (a wrong URL, a proxy) proves nothing
         outcome = Outcome.UNKNOWN
@@ -194,15 +219,25 @@ def classify_transport_error(exc: httpx.TransportError) -> GatewayResult:
         (Outcome.UNKNOWN, "transport_error"),
     )
     text = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
-    return GatewayResult(outcome=outcome, http_status=None, reason=reason, error=text)
+    sent = reason not in ("connect_timeout", "connect_error", "pool_timeout")
+    return GatewayResult(outcome=outcome, http_status=None, reason=reason, error=text, sent=sent)
+
+
+def client_error(exc: Exception) -> GatewayResult:
+    """A request that failed inside the client after it may have left (a body that does not
+    decode, an unexpected error in the HTTP stack): maybe sent."""
+    text = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
+    return GatewayResult(Outcome.UNKNOWN, http_status=None, reason="client_error", error=text)
 
 
 def not_sent(reason: str, error: str, retry_after: float | None = None) -> GatewayResult:
-    """A request the client did not send (no token, pacing wait too long): safe to retry."""
+    """A request the client did not send (no token, pacing wait too long, Redis down): safe to
+    retry, and it uses up no attempt."""
     return GatewayResult(
         outcome=Outcome.RETRY,
         http_status=None,
         reason=reason,
         retry_after=retry_after,
         error=error[:_MAX_ERROR_TEXT],
+        sent=False,
     )

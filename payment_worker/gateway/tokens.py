@@ -243,6 +243,7 @@ def _token_failure(resp: httpx.Response) -> GatewayResult:
         reason=f"token_{_error_code(resp) or 'error'}",
         retry_after=retry_after,
         error=f"token request: HTTP {resp.status_code}: {text}",
+        sent=False,  # no payment request left without a token
     )
 
 

@@ -25,10 +25,12 @@ from payment_worker.domain.transitions import (
     Decision,
     ItemOutcome,
     Policy,
+    after_conflict,
     after_lookup,
     after_send,
 )
 from payment_worker.errors import FencedOut, LockLost
+from payment_worker.gateway.outcomes import Outcome
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     BATCH_SECONDS,
@@ -233,21 +235,42 @@ class Drainer:
             )
             return ItemOutcome(item.id, attempts, lookups, d)
         policy = self._policy
+        cleared = False  # a lookup of this step proved the earlier sends never applied
         # ensure_held() runs inside the client right before each send (after any pacing wait)
         if item.status is TxStatus.UNKNOWN:
             found = self._gateway.lookup_payment(
                 item.account_id, item.idempotency_key, guard=lock.ensure_held
             )
-            lookups += 1
+            lookups += found.sent  # a lookup that never left uses up nothing
             LOOKUPS.labels(found.outcome.value).inc()
-            d = after_lookup(found, attempts=attempts, lookups=lookups, policy=policy)
+            d = after_lookup(
+                found,
+                attempts=attempts,
+                lookups=lookups,
+                doubt_age=item.doubt_age,
+                policy=policy,
+            )
             if not d.send_now:
                 return ItemOutcome(item.id, attempts, lookups, d)
+            cleared = True
             attempts += 1  # never applied: send again under the same key
         result = self._gateway.create_payment(
             item.account_id, request, item.idempotency_key, guard=lock.ensure_held
         )
-        d = after_send(result, attempts=attempts, lookups=lookups, policy=policy)
+        if not result.sent:
+            attempts -= 1  # counted at the claim (or above), but nothing left
+        if result.outcome is Outcome.CONFLICT:
+            # 422: the gateway holds an answer under this key; what it holds decides
+            found = self._gateway.lookup_payment(
+                item.account_id, item.idempotency_key, guard=lock.ensure_held
+            )
+            lookups += found.sent
+            LOOKUPS.labels(found.outcome.value).inc()
+            d = after_conflict(
+                found, request, lookups=lookups, doubt_age=item.doubt_age, policy=policy
+            )
+            return ItemOutcome(item.id, attempts, lookups, d)
+        d = after_send(result, attempts=attempts, lookups=lookups, policy=policy, cleared=cleared)
         return ItemOutcome(item.id, attempts, lookups, d)
 
 

@@ -64,7 +64,6 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
         "RETRY_BASE_DELAY": "0.2",
         "RETRY_MAX_DELAY": "5",
         "RETRY_MAX_ATTEMPTS": "15",
-        "LOOKUP_MAX_ATTEMPTS": "12",
     }
     rng = random.Random(7)
     broker = redis.Redis.from_url(pw_env.broker_url)

@@ -79,18 +79,20 @@ def test_402_declined(client: GatewayClient) -> None:
     assert (looked.outcome, looked.reason) == (Outcome.DECLINED, "beneficiary_blocked")
 
 
-def test_422_permanent_on_same_key_other_body(client: GatewayClient) -> None:
+def test_422_conflict_on_same_key_other_body(client: GatewayClient) -> None:
     p = tx(amount=100)
     assert create(client, p).outcome is Outcome.SUCCEEDED
     r = client.create_payment(ACCT, tx(amount=999), p.idempotency_key)
     assert (r.outcome, r.http_status, r.reason) == (
-        Outcome.PERMANENT,
+        Outcome.CONFLICT,
         422,
         "idempotency_key_reused",
     )
 
 
-def test_409_retry_while_the_same_key_is_in_flight(pw_env: PwEnv, gateway_sim: SimHandle) -> None:
+def test_409_maybe_sent_while_the_same_key_is_in_flight(
+    pw_env: PwEnv, gateway_sim: SimHandle
+) -> None:
     client = gateway_client(make_settings(gateway_read_timeout=5.0))
     assert client.lookup_payment(ACCT, "pw1-warm").outcome is Outcome.NOT_FOUND  # token ready
     # a wide window: on a loaded machine the first request must still be in flight (1.5 s at
@@ -105,7 +107,7 @@ def test_409_retry_while_the_same_key_is_in_flight(pw_env: PwEnv, gateway_sim: S
     t.join()
     client.close()
     assert results[0].outcome is Outcome.SUCCEEDED
-    assert (second.outcome, second.http_status) == (Outcome.RETRY, 409)
+    assert (second.outcome, second.http_status) == (Outcome.UNKNOWN, 409)
     assert gateway_sim.ledger()["payments_sent"] == 1
 
 

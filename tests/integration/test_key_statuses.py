@@ -115,7 +115,9 @@ def test_key_status_is_written_with_each_outcome(
         "tx-504": ("unknown", "sent", 1),  # money left, but only a lookup may say so
         "tx-ok": ("succeeded", "applied", 1),
         "tx-declined": ("failed", "declined", 1),
-        "tx-reused": ("failed", "rejected", 1),
+        # 422, then the lookup shows the gateway holds another body's payment under the
+        # key: a conflict for a person, never "failed" (the gateway did not say no)
+        "tx-reused": ("dead", "sent", 1),
     }
     # the pre-send, then one send per item
     assert _sends(gateway_sim) == [
@@ -125,6 +127,7 @@ def test_key_status_is_written_with_each_outcome(
         ("create", 201),
         ("create", 402),
         ("create", 422),
+        ("lookup", 200),
     ]
 
 

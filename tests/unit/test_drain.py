@@ -24,6 +24,7 @@ from tests.fakes import (
     FakeQueue,
     FakeStore,
     answer,
+    ok,
 )
 
 ACCT = "acct-1"
@@ -41,6 +42,8 @@ class World:
     max_seconds: float = 60.0
     hold_wait: float = 5.0
     max_attempts: int = 3
+    in_doubt_max: float = 3600.0
+    key_trust: float = 77760.0
 
     def lock_for(self, account_id: str) -> FakeLock:
         lock = FakeLock(account_id, self.store, self.holders)
@@ -54,7 +57,12 @@ class World:
             gateway=self.gateway,
             queue=self.queue,
             policy=Policy(
-                max_attempts=self.max_attempts, max_lookups=3, backoff=Backoff(base=1.0, cap=4.0)
+                max_attempts=self.max_attempts,
+                backoff=Backoff(base=1.0, cap=4.0),
+                lookup_backoff=Backoff(base=1.0, cap=4.0),
+                retry_after_max=300.0,
+                in_doubt_max=self.in_doubt_max,
+                key_trust=self.key_trust,
             ),
             limits=DrainLimits(self.chunk_size, self.max_seconds, self.hold_wait),
             clock=self.clock,
@@ -63,6 +71,19 @@ class World:
 
     def run(self, batch_id: str = "batch-1") -> object:
         return self.drainer().run_account(ACCT, batch_id)
+
+    def run_until_settled(self, limit: int = 1000) -> None:
+        """Run, and run again when each delayed message comes due, until nothing is open."""
+        for _ in range(limit):
+            before = len(self.queue.scheduled) + len(self.queue.handed_off)
+            self.run()
+            if self.store.seconds_until_next_due(ACCT) is None:
+                return
+            if len(self.queue.scheduled) + len(self.queue.handed_off) == before:
+                return
+            if len(self.queue.scheduled) > 0 and self.queue.scheduled[-1][2] > 0:
+                self.clock.sleep(self.queue.scheduled[-1][2])
+        raise AssertionError("did not settle")
 
 
 @pytest.fixture
@@ -237,3 +258,119 @@ def test_the_holder_rechecks_the_mark_after_releasing_and_drains_again(w: World)
     assert len(w.locks) == 2  # drained, released, saw the mark, drained again
     assert w.store.statuses() == {"succeeded": 5} and len(late) == 3
     assert w.queue.marks == set()
+
+
+# --- in doubt: patience in time, the gateway's memory, answers read as the protocol says ---
+
+
+def test_a_key_in_flight_is_waited_out_and_paid_once(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    w.hold_wait = 100.0
+    # 409 to the create, then 409 to every lookup for a long while, then the stored 201
+    w.gateway.script[row.key].append(answer(Outcome.UNKNOWN, 409, reason="in_flight"))
+    w.gateway.lookup_script[row.key].extend([answer(Outcome.IN_FLIGHT, 409)] * 40)
+    w.gateway.lookup_script[row.key].append(ok("p-late"))
+    w.run_until_settled()
+    assert (row.status, row.payment_id) == (TxStatus.SUCCEEDED, "p-late")
+    assert w.gateway.sends(row.key) == 1 and w.store.dead_letters == []
+    assert row.lookups == 41 and row.attempts == 1
+
+
+def test_an_item_in_doubt_goes_dead_after_the_bound_not_after_a_count(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    w.hold_wait, w.in_doubt_max = 100.0, 120.0
+    w.gateway.script[row.key].append(answer(Outcome.UNKNOWN, None, reason="timeout"))
+    # the gateway is down for good: every lookup 503, some never even leave
+    w.gateway.lookup_script[row.key].extend(
+        [answer(Outcome.RETRY, 503), answer(Outcome.RETRY, None, sent=False)] * 500
+    )
+    start = w.clock()
+    w.run_until_settled()
+    assert (row.status, w.store.dead_letters) == (TxStatus.DEAD, [(row.id, "unknown_unresolved")])
+    assert w.clock() - start >= 120.0 and w.gateway.sends(row.key) == 1
+    # only the lookups that reached the gateway were counted
+    looked = sum(1 for kind, _ in w.gateway.calls if kind == "lookup")
+    assert 0 < row.lookups < looked
+
+
+def test_a_404_after_the_gateway_may_have_forgotten_the_key_never_sends(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1, status=TxStatus.UNKNOWN, attempts=1)
+    row.doubt_since = w.clock() - 80_000.0  # in doubt since longer than the retention trust
+    w.run()
+    assert w.gateway.calls == [("lookup", row.key)]
+    assert (row.status, w.store.dead_letters) == (TxStatus.DEAD, [(row.id, "in_doubt_key_expired")])
+
+
+def test_a_404_within_the_retention_clears_the_doubt_and_sends_again(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1, status=TxStatus.UNKNOWN, attempts=1)
+    row.doubt_since = w.clock() - 70_000.0
+    w.run()
+    assert w.gateway.calls == [("lookup", row.key), ("create", row.key)]
+    assert row.status is TxStatus.SUCCEEDED and row.doubt_since is None
+
+
+def test_a_resend_after_a_404_that_is_lost_again_is_in_doubt_from_that_step(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1, status=TxStatus.UNKNOWN, attempts=1)
+    row.doubt_since = w.clock() - 70_000.0
+    w.gateway.script[row.key].append(answer(Outcome.UNKNOWN, None, reason="timeout"))
+    w.hold_wait = 0.0  # stop after the step, to look at the row
+    w.run()
+    assert row.status is TxStatus.UNKNOWN
+    # the old doubt was cleared by the 404; the new one dates from this step's claim
+    assert row.doubt_since == row.dispatched_at and w.clock() - row.doubt_since < 1.0
+
+
+def test_sends_that_were_never_in_doubt_are_sent_again_whenever(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    w.max_attempts = 100
+    w.gateway.script[row.key].extend([answer(Outcome.RETRY, 503)] * 3)
+    w.hold_wait = 0.0
+    w.run()
+    assert row.status is TxStatus.RETRYABLE and row.doubt_since is None
+    w.clock.sleep(200_000.0)  # far past any retention: nothing of it was ever in doubt
+    while row.status is TxStatus.RETRYABLE:
+        w.clock.sleep(10.0)
+        w.run()
+    assert row.status is TxStatus.SUCCEEDED and w.gateway.sends(row.key) == 4
+
+
+def test_requests_that_never_left_use_up_no_attempt(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    w.hold_wait = 100.0
+    # a token endpoint failing for a while: more failures than RETRY_MAX_ATTEMPTS
+    w.gateway.script[row.key].extend([answer(Outcome.RETRY, None, sent=False)] * 10)
+    w.run()
+    assert row.status is TxStatus.SUCCEEDED and w.store.dead_letters == []
+    assert row.attempts == 1  # only the request that reached the gateway
+
+
+def test_a_422_is_looked_up_and_a_matching_stored_payment_is_ours(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    w.gateway.script[row.key].append(answer(Outcome.CONFLICT, 422))
+    stored = {"transaction_id": row.transaction_id, "amount": row.amount, "currency": "IDR"}
+    w.gateway.lookup_script[row.key].append(
+        answer(Outcome.SUCCEEDED, 200, payment_id="p-stored", stored=stored)
+    )
+    w.run()
+    assert (row.status, row.payment_id) == (TxStatus.SUCCEEDED, "p-stored")
+    assert w.gateway.calls == [("create", row.key), ("lookup", row.key)]
+
+
+def test_a_422_for_something_else_is_a_key_conflict_never_failed(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    w.gateway.script[row.key].append(answer(Outcome.CONFLICT, 422))
+    stored = {"transaction_id": "someone-else", "amount": 1, "currency": "IDR"}
+    w.gateway.lookup_script[row.key].append(
+        answer(Outcome.SUCCEEDED, 200, payment_id="p-x", stored=stored)
+    )
+    w.run()
+    assert (row.status, w.store.dead_letters) == (TxStatus.DEAD, [(row.id, "key_conflict")])
+    assert w.gateway.sends(row.key) == 1
+
+
+def test_an_html_200_is_looked_up_not_believed(w: World) -> None:
+    [row] = w.store.add(ACCT, 1, 1)
+    w.gateway.script[row.key].append(answer(Outcome.UNKNOWN, 200, reason="applied"))
+    w.run()
+    assert w.gateway.calls == [("create", row.key), ("lookup", row.key)]
+    assert row.status is TxStatus.SUCCEEDED and w.gateway.paid[row.key] == 1

@@ -77,14 +77,62 @@ def test_create_401_is_retry() -> None:
     assert (r.outcome, r.reason) == (Outcome.RETRY, "invalid_token")
 
 
-def test_create_409_is_retry() -> None:
+def test_create_409_is_maybe_sent() -> None:
+    # a request with this key is still being processed: it may still pay
     r = classify_create(409, _h(), _b({"error": "idempotency_key_in_use"}))
-    assert (r.outcome, r.reason) == (Outcome.RETRY, "idempotency_key_in_use")
+    assert (r.outcome, r.reason, r.sent) == (Outcome.UNKNOWN, "idempotency_key_in_use", True)
 
 
-def test_create_422_is_permanent() -> None:
+def test_create_422_is_a_conflict_to_look_up() -> None:
+    # the gateway holds an answer under this key: never "failed" without looking
     r = classify_create(422, _h(), _b({"error": "idempotency_key_reused"}))
-    assert (r.outcome, r.reason) == (Outcome.PERMANENT, "idempotency_key_reused")
+    assert (r.outcome, r.reason) == (Outcome.CONFLICT, "idempotency_key_reused")
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "content"),
+    [
+        (200, {"Content-Type": "text/html"}, b"<html><body>OK</body></html>"),
+        (201, {}, b""),
+        (201, {}, _b({"status": "succeeded"})),  # no payment id
+        (201, {}, _b({"payment_id": "", "status": "succeeded"})),
+        (201, {}, _b({"payment_id": "p1", "status": "pending"})),
+        (200, {"Idempotent-Replayed": "true"}, _b(["not", "an", "object"])),
+        (202, {}, _b(PAID)),
+        (204, {}, b""),
+    ],
+)
+def test_a_2xx_without_a_payment_body_is_maybe_sent(
+    status: int, headers: dict[str, str], content: bytes
+) -> None:
+    r = classify_create(status, httpx.Headers(headers), content)
+    assert r.outcome is Outcome.UNKNOWN
+
+
+def test_a_lookup_of_a_stored_201_without_a_payment_body_is_unknown() -> None:
+    r = classify_lookup(200, _h(), _b({"http_status": 201, "status": "succeeded"}))
+    assert r.outcome is Outcome.UNKNOWN
+
+
+def test_a_lookup_200_keeps_what_the_gateway_stored() -> None:
+    r = classify_lookup(200, _h(), _b({**PAID, "http_status": 201}))
+    assert r.stored is not None and r.stored["payment_id"] == "pay_1"
+
+
+@pytest.mark.parametrize(
+    ("exc", "sent"),
+    [
+        (httpx.ConnectError("refused"), False),
+        (httpx.ConnectTimeout("slow"), False),
+        (httpx.PoolTimeout("full"), False),
+        (httpx.ReadTimeout("late"), True),
+        (httpx.RemoteProtocolError("reset"), True),
+    ],
+)
+def test_only_requests_that_may_have_left_count_as_sent(exc: Exception, sent: bool) -> None:
+    from payment_worker.gateway.outcomes import classify_transport_error
+
+    assert classify_transport_error(exc).sent is sent  # type: ignore[arg-type]
 
 
 def test_create_429_is_retry_with_retry_after() -> None:

@@ -38,6 +38,8 @@ def test_values_are_the_stored_strings() -> None:
         "retries_exhausted",
         "unknown_unresolved",
         "fingerprint_mismatch",
+        "key_conflict",
+        "in_doubt_key_expired",
     ]
 
 

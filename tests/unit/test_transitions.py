@@ -6,16 +6,43 @@ import random
 
 import pytest
 
+from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.retry import Backoff
-from payment_worker.domain.statuses import DeadReason
-from payment_worker.domain.transitions import Policy, after_lookup, after_send
+from payment_worker.domain.statuses import DeadReason, KeyStatus, TxStatus
+from payment_worker.domain.transitions import (
+    Doubt,
+    Policy,
+    after_conflict,
+    after_lookup,
+    after_send,
+)
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
 
-POLICY = Policy(max_attempts=3, max_lookups=2, backoff=Backoff(base=1.0, cap=10.0))
+POLICY = Policy(
+    max_attempts=3,
+    backoff=Backoff(base=1.0, cap=10.0),
+    lookup_backoff=Backoff(base=1.0, cap=5.0),
+    retry_after_max=300.0,
+    in_doubt_max=3600.0,
+    key_trust=77760.0,  # 0.9 x 24 h
+)
+REQ = PaymentRequest("acct-1", "tx-1", 150_000, "IDR", {"bank_code": "014"})
 
 
 def r(outcome: Outcome, status: int | None = None, **kw: object) -> GatewayResult:
     return GatewayResult(outcome=outcome, http_status=status, **kw)  # type: ignore[arg-type]
+
+
+def send(result: GatewayResult, attempts: int = 1, **kw: object) -> object:
+    return after_send(result, attempts=attempts, lookups=0, policy=POLICY, **kw)  # type: ignore[arg-type]
+
+
+def look(
+    result: GatewayResult, doubt_age: float | None = 10.0, attempts: int = 1, lookups: int = 1
+):  # type: ignore[no-untyped-def]
+    return after_lookup(
+        result, attempts=attempts, lookups=lookups, doubt_age=doubt_age, policy=POLICY
+    )
 
 
 def test_send_success_and_decline_are_final() -> None:
@@ -29,53 +56,144 @@ def test_send_success_and_decline_are_final() -> None:
     d = after_send(
         r(Outcome.DECLINED, 402, reason="insufficient_funds"), attempts=1, lookups=0, policy=POLICY
     )
-    assert (d.status, d.key_status) == ("failed", "declined")
-    d = after_send(r(Outcome.PERMANENT, 422), attempts=1, lookups=0, policy=POLICY)
-    assert d.status == "failed"
+    assert (d.status, d.error_class, d.key_status) == (
+        "failed",
+        "declined:insufficient_funds",
+        "declined",
+    )
 
 
-def test_retry_backs_off_and_honours_retry_after() -> None:
+def test_400_is_failed_nothing_was_applied() -> None:
+    d = after_send(r(Outcome.PERMANENT, 400), attempts=1, lookups=0, policy=POLICY)
+    assert (d.status, d.key_status) == ("failed", "rejected")
+
+
+def test_not_applied_backs_off_with_retry_after_as_floor_then_dies() -> None:
     d = after_send(r(Outcome.RETRY, 429, retry_after=7.0), attempts=1, lookups=0, policy=POLICY)
-    assert d.status == "retryable" and d.delay >= 7.0
+    assert d.status == "retryable" and d.delay >= 7.0 and d.doubt is Doubt.KEEP
     d = after_send(r(Outcome.RETRY, 503), attempts=2, lookups=0, policy=POLICY)
     assert d.status == "retryable" and 0.0 <= d.delay <= 2.0
-
-
-def test_retries_exhausted_goes_dead_with_reason() -> None:
     d = after_send(r(Outcome.RETRY, 503), attempts=3, lookups=0, policy=POLICY)
-    assert (d.status, d.dead_reason) == ("dead", DeadReason.RETRIES_EXHAUSTED)
+    assert (d.status, d.dead_reason, d.key_status) == ("dead", "retries_exhausted", "not_applied")
 
 
-def test_unknown_is_never_failed() -> None:
-    d = after_send(r(Outcome.UNKNOWN, None), attempts=3, lookups=0, policy=POLICY)
-    assert d.status == "unknown"  # even out of attempts: only a lookup decides
-    d = after_lookup(r(Outcome.IN_FLIGHT, 409), attempts=1, lookups=1, policy=POLICY)
-    assert d.status == "unknown"
-    d = after_lookup(r(Outcome.UNKNOWN, None), attempts=1, lookups=2, policy=POLICY)
-    assert (d.status, d.dead_reason) == ("dead", DeadReason.UNKNOWN_UNRESOLVED)
-
-
-def test_lookup_outcomes() -> None:
-    d = after_lookup(
-        r(Outcome.SUCCEEDED, 200, payment_id="p"), attempts=1, lookups=1, policy=POLICY
+def test_retry_after_is_honoured_up_to_its_cap() -> None:
+    d = after_send(
+        r(Outcome.RETRY, 429, retry_after=172800.0), attempts=1, lookups=0, policy=POLICY
     )
-    assert (d.status, d.payment_id) == ("succeeded", "p")
-    d = after_lookup(r(Outcome.DECLINED, 200), attempts=1, lookups=1, policy=POLICY)
-    assert d.status == "failed"
-    d = after_lookup(r(Outcome.NOT_FOUND, 404), attempts=1, lookups=1, policy=POLICY)
-    assert d.send_now and d.status == "unknown"
-    d = after_lookup(r(Outcome.NOT_FOUND, 404), attempts=3, lookups=1, policy=POLICY)
-    assert (d.status, d.dead_reason) == ("dead", DeadReason.RETRIES_EXHAUSTED)
+    assert 300.0 <= d.delay <= 300.0 + 1.0
+    d = look(r(Outcome.RETRY, 429, retry_after=172800.0))
+    assert d.status == "unknown" and 300.0 <= d.delay < 400.0
 
 
-@pytest.mark.parametrize("attempt", [1, 2, 5, 10, 80])
-def test_backoff_full_jitter_within_cap(attempt: int) -> None:
-    b = Backoff(base=0.5, cap=30.0)
-    rng = random.Random(attempt)
-    values = [b.delay(attempt, rng=rng) for _ in range(200)]
-    assert all(0.0 <= v <= min(30.0, 0.5 * 2 ** (attempt - 1)) for v in values)
-    assert len({round(v, 6) for v in values}) > 150  # jittered, not fixed
+def test_a_request_that_never_left_uses_up_no_attempt() -> None:
+    # the drain passes attempts without this send; out of attempts only counts real sends
+    d = after_send(r(Outcome.RETRY, None, sent=False), attempts=3, lookups=0, policy=POLICY)
+    assert d.status == "retryable"
 
 
-def test_backoff_floor_beats_cap() -> None:
-    assert Backoff(base=1.0, cap=2.0).delay(1, floor=5.0) >= 5.0
+@pytest.mark.parametrize(
+    ("outcome", "status"),
+    [
+        (Outcome.UNKNOWN, None),
+        (Outcome.UNKNOWN, 409),
+        (Outcome.UNKNOWN, 200),
+        (Outcome.UNKNOWN, 504),
+    ],
+)
+def test_maybe_sent_is_unknown_never_failed_even_on_the_last_attempt(
+    outcome: Outcome, status: int | None
+) -> None:
+    d = after_send(r(outcome, status), attempts=3, lookups=0, policy=POLICY)
+    assert (d.status, d.dead_reason, d.doubt) == ("unknown", None, Doubt.SINCE_DISPATCH)
+    d = after_send(r(outcome, status), attempts=3, lookups=0, policy=POLICY, cleared=True)
+    assert d.doubt is Doubt.RESET_TO_DISPATCH
+
+
+def test_lookup_final_answers_decide() -> None:
+    d = look(r(Outcome.SUCCEEDED, 200, payment_id="p9"))
+    assert (d.status, d.payment_id, d.key_status) == ("succeeded", "p9", "applied")
+    assert look(r(Outcome.DECLINED, 200)).status == "failed"
+
+
+def test_lookup_404_within_the_retention_sends_again_and_clears_the_doubt() -> None:
+    d = look(r(Outcome.NOT_FOUND, 404), doubt_age=77759.0)
+    assert (d.status, d.send_now, d.key_status, d.doubt) == (
+        "unknown",
+        True,
+        "not_applied",
+        Doubt.CLEAR,
+    )
+
+
+def test_lookup_404_past_the_retention_never_sends() -> None:
+    d = look(r(Outcome.NOT_FOUND, 404), doubt_age=77760.0)
+    assert (d.status, d.send_now, d.dead_reason) == ("dead", False, "in_doubt_key_expired")
+
+
+def test_lookup_404_and_out_of_attempts_goes_dead_as_not_applied() -> None:
+    d = look(r(Outcome.NOT_FOUND, 404), attempts=3)
+    assert (d.status, d.dead_reason, d.key_status) == ("dead", "retries_exhausted", "not_applied")
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        r(Outcome.IN_FLIGHT, 409),
+        r(Outcome.RETRY, 429, retry_after=2.0),
+        r(Outcome.RETRY, 503),
+        r(Outcome.UNKNOWN, 500),
+        r(Outcome.UNKNOWN, None, reason="timeout"),
+        r(Outcome.RETRY, None, sent=False),
+    ],
+)
+def test_no_final_answer_keeps_waiting_in_time_not_in_lookups(result: GatewayResult) -> None:
+    # a hundred lookups in, ten minutes in doubt: still patient
+    d = look(result, doubt_age=600.0, lookups=100)
+    assert (d.status, d.dead_reason, d.doubt) == ("unknown", None, Doubt.KEEP)
+    assert d.delay <= 5.0 + (result.retry_after or 0.0)
+    # an hour in doubt: a person decides
+    d = look(result, doubt_age=3600.0, lookups=2)
+    assert (d.status, d.dead_reason) == ("dead", "unknown_unresolved")
+
+
+def test_conflict_matching_stored_payment_is_ours() -> None:
+    stored = {"transaction_id": "tx-1", "amount": 150_000, "currency": "IDR", "payment_id": "p1"}
+    found = r(Outcome.SUCCEEDED, 200, payment_id="p1", stored=stored)
+    d = after_conflict(found, REQ, lookups=1, doubt_age=None, policy=POLICY)
+    assert (d.status, d.payment_id) == (TxStatus.SUCCEEDED, "p1")
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {"transaction_id": "tx-2", "amount": 150_000, "currency": "IDR"},
+        {"transaction_id": "tx-1", "amount": 1, "currency": "IDR"},
+        {"transaction_id": "tx-1", "amount": 150_000, "currency": "USD"},
+    ],
+)
+def test_conflict_with_another_stored_payment_is_a_key_conflict(stored: dict[str, object]) -> None:
+    found = r(Outcome.SUCCEEDED, 200, payment_id="p1", stored=stored)
+    d = after_conflict(found, REQ, lookups=1, doubt_age=None, policy=POLICY)
+    assert (d.status, d.dead_reason) == (TxStatus.DEAD, DeadReason.KEY_CONFLICT)
+    assert "tx-" in (d.error or "")  # what the gateway holds is kept for on-call
+
+
+def test_conflict_with_a_stored_decline_is_failed() -> None:
+    d = after_conflict(r(Outcome.DECLINED, 200), REQ, lookups=1, doubt_age=None, policy=POLICY)
+    assert (d.status, d.key_status) == (TxStatus.FAILED, KeyStatus.DECLINED)
+
+
+def test_conflict_whose_lookup_has_no_answer_stays_in_doubt() -> None:
+    d = after_conflict(r(Outcome.IN_FLIGHT, 409), REQ, lookups=1, doubt_age=5.0, policy=POLICY)
+    assert (d.status, d.doubt) == (TxStatus.UNKNOWN, Doubt.SINCE_DISPATCH)
+
+
+def test_backoff_is_full_jitter_capped() -> None:
+    b = Backoff(base=1.0, cap=10.0)
+    rng = random.Random(7)
+    for n in range(1, 20):
+        d = b.delay(n, rng=rng)
+        assert 0.0 <= d <= min(10.0, 2 ** (n - 1))
+    assert b.ceiling(100) == 10.0
+    assert b.delay(1, floor=30.0) == 30.0
