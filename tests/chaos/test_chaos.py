@@ -1,7 +1,11 @@
 """Chaos: kill, pause and starve real workers while the gateway misbehaves.
 
 Checked at the end against the simulator's ledger and Postgres: zero double payments, zero
-lost transactions, every item terminal within a bounded time after the faults stop.
+lost transactions, every item terminal within a bounded time after the faults stop, the
+failed items exactly the ones the simulator declines, nothing dead, and the ledger read
+again once every worker has stopped (a late double payment during shutdown would show).
+Each kill and pause is shown to have hit a lock holder: some account lock it held is left
+to expire unrenewed. Runs with the default in-doubt settings.
 
 The default run is the short variant (CI, under 3 minutes). ``make chaos`` sets
 PW_CHAOS_LONG=1: 10 minutes of faults over 20,000 items, with worker memory sampled.
@@ -23,6 +27,7 @@ from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.reconcile import reconcile
 from payment_worker.dev.samples import make_batches
 from payment_worker.producer.submit import submit_batch
+from payment_worker.redis_keys import RedisKeys
 from tests.conftest import PwEnv
 
 LONG = os.environ.get("PW_CHAOS_LONG") == "1"
@@ -41,6 +46,24 @@ def _rss_kb(pid: int) -> int:
 
 def _terminal(counts: dict[str, int]) -> int:
     return sum(counts.get(s, 0) for s in ("succeeded", "failed", "dead"))
+
+
+def _locks(app: redis.Redis, accounts: int) -> dict[str, bytes]:
+    """The account locks held right now: key -> the holder's token."""
+    keys = [RedisKeys().lock(f"acct-{a:04d}") for a in range(accounts)]
+    return {k: v for k, v in zip(keys, app.mget(keys), strict=True) if v is not None}
+
+
+def _orphaned(app: redis.Redis, before: dict[str, bytes], ttl_ms: int) -> int:
+    """How many of the locks held before a fault were left unrenewed since: still owned by
+    the same token, with less than half their TTL left. A live holder renews at TTL/3, so
+    its lock never gets that low; only a killed or paused holder's does."""
+    time.sleep(ttl_ms / 1000 * 0.6)
+    left = 0
+    for key, token in before.items():
+        if app.get(key) == token and 0 <= app.pttl(key) < ttl_ms / 2:
+            left += 1
+    return left
 
 
 def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
@@ -67,6 +90,15 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
     }
     rng = random.Random(7)
     broker = redis.Redis.from_url(pw_env.broker_url)
+    app = redis.Redis.from_url(pw_env.redis_url)
+    declined = sum(
+        1
+        for b in make_batches(
+            batches=n_batches, items=n_items, accounts=accounts, prefix="chaos", reject_every=53
+        )
+        for item in b["items"]
+        if item["beneficiary"]["account_number"].startswith("REJECT")
+    )
     batches = make_batches(
         batches=n_batches, items=n_items, accounts=accounts, prefix="chaos", reject_every=53
     )
@@ -85,6 +117,7 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
 
         start = time.monotonic()
         kills = pauses = flushes = 0
+        hits: list[tuple[str, int]] = []  # (fault, locks it left to expire)
         rss: list[int] = []
         next_kill = start + 3
         next_pause = start + 5
@@ -100,14 +133,18 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
             rss.append(sum(_rss_kb(w.pid) for w in cluster.workers()))
             witness_rss.append((now - start, _rss_kb(witness.pid)))
             if now >= next_kill and workers:
+                held = _locks(app, accounts)
                 rng.choice(workers).kill()
                 cluster.start_worker()
                 kills += 1
+                hits.append(("kill", _orphaned(app, held, lock_ttl_ms)))
                 next_kill = now + (rng.uniform(20, 40) if LONG else rng.uniform(3, 6))
             if now >= next_pause and workers:
                 victim = rng.choice(workers)
+                held = _locks(app, accounts)
                 victim.pause()
-                time.sleep(lock_ttl_ms / 1000 + 2)  # longer than the lock TTL
+                hits.append(("pause", _orphaned(app, held, lock_ttl_ms)))
+                time.sleep(lock_ttl_ms / 1000 * 0.4 + 2)  # in all, longer than the lock TTL
                 victim.resume()
                 pauses += 1
                 next_pause = now + (60 if LONG else 1e9)
@@ -131,12 +168,33 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
         ledger = cluster.ledger()
         for w in cluster.workers():
             w.signal(signal.SIGCONT)
+        witness_alive = witness.alive()
+        # every worker and beat stop; a payment made while shutting down must show up too
+        for proc in cluster.processes:
+            if proc.name != "gateway-sim":
+                proc.stop()
+        final_ledger = cluster.ledger()
 
     assert _terminal(counts) == total, f"not all terminal within {bound}s: {counts}"
     with runtime.current().engine.connect() as conn:
-        rec = reconcile(conn, ledger)
+        rec = reconcile(conn, final_ledger)
     assert not rec.double_paid, rec.summary()
     assert rec.ok, rec.summary()
+    assert final_ledger["payments_sent"] == ledger["payments_sent"], "paid during shutdown"
+    # the failed items are exactly the declined beneficiaries (a 503 read as "failed" would
+    # show here), and nothing is dead: with these faults nothing runs out of attempts or of
+    # in-doubt time
+    assert counts.get("failed", 0) == declined, (counts, declined)
+    assert counts.get("dead", 0) == 0, counts
+    # each kill and pause hit a holder: it left at least one account lock to expire
+    assert hits and all(n >= 1 for _, n in hits), hits
+    # invariant 4, tokens: one refresher at a time per account, ahead of expiry (token TTL
+    # 5 s): about one token per account per TTL, and no 401 storm
+    elapsed = time.monotonic() - start
+    per_ttl = max(final_ledger["tokens_issued_per_account"].values()) / (elapsed / 5.0 + 1)
+    assert per_ttl <= 1.5, (final_ledger["tokens_issued_per_account"], elapsed)
+    requests = final_ledger["requests"]["total"]
+    assert final_ledger["http_401"] <= max(5, requests // 200), (final_ledger["http_401"], requests)
     # invariant 4: one request of an account in flight at a time from our side (the simulator
     # frees a slow or lost request's slot once the payment is applied, so none is excused)
     assert ledger["http_429_by_cause"]["concurrency"] == 0, ledger["http_429_by_cause"]
@@ -144,6 +202,7 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
     assert submitted == n_batches
     assert kills >= 1 and pauses >= 1 and flushes >= 1
     assert open_at_flush > 0  # the flush really lost messages of unfinished work
+    assert witness_alive, "the witness worker died: its memory says nothing"
     if LONG:
         # flat memory: the witness worker's RSS over the last quarter stays within 25% of
         # what it was once warmed up (after the first quarter)
@@ -154,7 +213,8 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
         assert late <= warm * 1.25, (warm, late)
     print(
         f"chaos: items={total} kills={kills} pauses={pauses} flushes={flushes} "
-        f"open_at_flush={open_at_flush} counts={counts} 401={ledger.get('http_401')} "
+        f"open_at_flush={open_at_flush} counts={counts} hits={hits} "
+        f"401={ledger.get('http_401')} "
         f"tokens={ledger.get('tokens_issued')} 429={ledger.get('http_429_by_cause')} "
         f"rss_kb first={rss[:1]} last={rss[-1:]}"
     )
