@@ -1,6 +1,6 @@
 """``payment-worker gateway-sim``: an HTTP simulator of the aggregator protocol, with faults.
 
-Implements every row of ``shared/gateway-protocol.md`` (tokens that revoke earlier ones and
+Implements every row of ``docs/gateway-protocol.md`` (tokens that revoke earlier ones and
 expire, per-account in-flight and rate limits with ``Retry-After``, idempotent replay, 409
 while a key is in flight, 422 on reuse with another body, 402 declines, lookups) plus fault
 flags (latency, 503, 500/502/504, lost and slow responses, a key held in flight, an outage

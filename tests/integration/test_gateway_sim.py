@@ -1,4 +1,4 @@
-"""Simulator conformance: one test per row of shared/gateway-protocol.md, over real HTTP."""
+"""Simulator conformance: one test per row of docs/gateway-protocol.md, over real HTTP."""
 
 from __future__ import annotations
 
