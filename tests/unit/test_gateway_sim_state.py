@@ -300,6 +300,7 @@ def test_a_hold_forgotten_by_a_reset_never_pays() -> None:
     ],
 )
 def test_random_fault_draws_the_in_doubt_faults_for_creates_only(flag: str, kind: str) -> None:
-    st = SimState(SimConfig(**{flag: 1.0}), seed=3)
+    st = SimState(SimConfig(), seed=3)
+    st.config.update({flag: 1.0})
     assert random_fault(st, CREATE_FAULTS) == kind
     assert random_fault(st, LOOKUP_FAULTS) is None
