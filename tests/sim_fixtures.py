@@ -69,6 +69,28 @@ class SimHandle:
             out: list[list[Any]] = data["requests"]
             return out
 
+    def statuses(self, account_id: str, endpoint: str) -> list[Any]:
+        """What the account's requests to ``endpoint`` got, in order.
+
+        Each is a status or, for a reset connection, a marker: "lost", "held" or "outage".
+        """
+        return [status for _, e, status in self.requests(account_id) if e == endpoint]
+
+    def wait_for_holds(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Poll the ledger until no key is held in flight any more; returns that ledger.
+
+        A held create is applied when its hold ends, after its request has returned: wait
+        for this before asserting on ``sends`` or reconciling.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            ledger = self.ledger()
+            if ledger["holds_pending"] == 0:
+                return ledger
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{ledger['holds_pending']} keys still held after {timeout}s")
+            time.sleep(0.05)
+
 
 def _argv(flags: dict[str, Any]) -> list[str]:
     out: list[str] = []

@@ -1,10 +1,12 @@
 """``payment-worker gateway-sim``: an HTTP simulator of the aggregator protocol, with faults.
 
-Implements every row of ``shared/gateway-protocol.md`` (tokens that revoke earlier ones and
+Implements every row of ``docs/gateway-protocol.md`` (tokens that revoke earlier ones and
 expire, per-account in-flight and rate limits with ``Retry-After``, idempotent replay, 409
 while a key is in flight, 422 on reuse with another body, 402 declines, lookups) plus fault
-flags (latency, 503, 500/502/504, lost and slow responses). One process, state in memory
-(:mod:`payment_worker.dev.simulator_state`), served by aiohttp.
+flags (latency, 503, 500/502/504, lost and slow responses, a key held in flight, an outage
+after an applied create, a proxy's HTML 200, forgotten keys). One process, state in memory
+(:mod:`payment_worker.dev.simulator_state`), faults in :mod:`payment_worker.dev.simulator_faults`,
+served by aiohttp.
 
 Declines: a beneficiary ``account_number`` starting with ``REJECT`` gives 402
 ``beneficiary_blocked``; one starting with ``NOFUNDS`` gives 402 ``insufficient_funds``.
@@ -18,39 +20,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 import socket
 import struct
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from payment_worker.dev.simulator_faults import (
+    ERROR_CODES,
+    LOOKUP_FAULTS,
+    RESET_AFTER,
+    Answer,
+    decide_create,
+    outage_answer,
+    random_fault,
+)
 from payment_worker.dev.simulator_state import (
+    CREATE_ONLY_FAULTS,
     FAULTS,
     SimConfig,
     SimState,
     Stored,
     check_body,
     check_key,
+    check_seconds,
     retry_after_header,
 )
 
 STATE: web.AppKey[SimState] = web.AppKey("state", SimState)
-_RANDOM_FAULTS = ("503", "500", "502", "504", "lost", "slow")
-_ERROR_CODES = {500: "internal_error", 502: "bad_gateway", 503: "service_unavailable"}
-
-
-@dataclass
-class Answer:
-    """A protocol answer; ``after`` is "slow" or "lost" for the late and dropped ones."""
-
-    status: int
-    body: dict[str, Any] | None
-    headers: dict[str, str] = field(default_factory=dict)
-    after: str | None = None
 
 
 Inner = Callable[[web.Request, SimState, str, dict[str, Any] | None], Awaitable[Answer]]
@@ -65,24 +66,13 @@ def _bad(detail: str) -> Answer:
 
 
 def _respond(ans: Answer) -> web.Response:
+    if ans.html is not None:
+        return web.Response(
+            status=ans.status, text=ans.html, content_type="text/html", headers=ans.headers
+        )
     if ans.body is None:
         return web.Response(status=ans.status, headers=ans.headers)
     return web.json_response(ans.body, status=ans.status, headers=ans.headers)
-
-
-def _random_fault(st: SimState, kinds: tuple[str, ...]) -> str | None:
-    """At most one fault per request, by one uniform draw over the configured probabilities."""
-    c = st.config
-    probs = {"503": c.p503, "500": c.p500, "502": c.p502, "504": c.p504}
-    probs.update({"lost": c.p_lost, "slow": c.p_slow})
-    if not any(probs[k] > 0 for k in kinds):
-        return None
-    r, acc = st.rng.random(), 0.0
-    for kind in kinds:
-        acc += probs[kind]
-        if r < acc:
-            return kind
-    return None
 
 
 # --- protocol endpoints -------------------------------------------------------------------
@@ -116,7 +106,7 @@ async def _token(st: SimState, account_id: str, secret: Any) -> Answer:
     scripted = st.next_scripted(account_id, "token")
     if scripted is not None and scripted["fault"] != "429":
         code = int(scripted["fault"]) if scripted["fault"].isdigit() else 500
-        return Answer(code, {"error": _ERROR_CODES.get(code, "error")})
+        return Answer(code, {"error": ERROR_CODES.get(code, "error")})
     wait = st.token_rate_wait(account_id)
     if scripted is not None or wait > 0:
         st.ledger.http_429["scripted" if scripted else "token"] += 1
@@ -149,14 +139,16 @@ async def _account_call(request: web.Request, endpoint: str, inner: Inner) -> we
     st.ledger.requests[endpoint] += 1
     entry: list[Any] = [round(st.now(), 6), endpoint, 0]
     st.account(account_id).log.append(entry)
-    ans = await _guarded(request, st, account_id, endpoint, inner)
-    entry[2] = "lost" if ans.after == "lost" else ans.status
+    # an account in an outage answers before anything else (its backend is down), so it
+    # neither checks tokens nor spends the account's rate or in-flight allowance
+    ans = outage_answer(st, account_id) or await _guarded(request, st, account_id, endpoint, inner)
+    entry[2] = ans.after if ans.after in RESET_AFTER else ans.status
     st.ledger.statuses[str(entry[2])] += 1
     if ans.status == 401:
         st.ledger.http_401 += 1
     if ans.after == "slow":
         await asyncio.sleep(st.config.slow_seconds)
-    elif ans.after == "lost":
+    elif ans.after in RESET_AFTER:
         _reset_connection(request)
         return web.Response(status=204)  # never written: the connection is gone
     return _respond(ans)
@@ -203,8 +195,7 @@ async def _create(
     if why is not None:
         return _bad(why)
     fp = st.body_fingerprint(body)
-    skey = (account_id, key)
-    stored = st.stored.get(skey)
+    stored = st.stored_answer(account_id, key)
     if stored is not None:
         if stored.status is None:
             return Answer(409, {"error": "idempotency_key_in_use"})
@@ -212,37 +203,23 @@ async def _create(
             return Answer(422, {"error": "idempotency_key_reused"})
         replay_status = 200 if stored.status == 201 else stored.status
         return Answer(replay_status, stored.body, {"Idempotent-Replayed": "true"})
-    entry = st.stored[skey] = Stored(fp)  # in flight from here until decided
+    entry = st.stored[(account_id, key)] = Stored(fp)  # in flight from here until decided
     await asyncio.sleep(st.latency())
-    fault = scripted["fault"] if scripted is not None else _random_fault(st, _RANDOM_FAULTS)
-    if fault == "503":
-        st.stored.pop(skey, None)
-        return Answer(503, {"error": _ERROR_CODES[503]})
-    if fault in ("500", "502", "504"):
-        if scripted is not None and "applied" in scripted:
-            applied = bool(scripted["applied"])
-        else:
-            applied = st.draw(st.config.p_fault_applied)
-        if applied:
-            entry.status, entry.body = st.apply(account_id, body)
-        else:
-            st.stored.pop(skey, None)
-        code = int(fault)
-        return Answer(code, None if code == 504 else {"error": _ERROR_CODES[code]})
-    entry.status, entry.body = st.apply(account_id, body)
-    return Answer(entry.status, entry.body, after=fault if fault in ("lost", "slow") else None)
+    return decide_create(st, account_id, key, body, entry, scripted)
 
 
 async def _lookup(
     request: web.Request, st: SimState, account_id: str, scripted: dict[str, Any] | None
 ) -> Answer:
     await asyncio.sleep(st.latency())
-    fault = scripted["fault"] if scripted is not None else _random_fault(st, _RANDOM_FAULTS[:4])
+    fault = scripted["fault"] if scripted is not None else random_fault(st, LOOKUP_FAULTS)
+    if fault is not None:
+        st.ledger.faults[fault] += 1
     if fault in ("503", "500", "502"):
-        return Answer(int(fault), {"error": _ERROR_CODES[int(fault)]})
+        return Answer(int(fault), {"error": ERROR_CODES[int(fault)]})
     if fault == "504":
         return Answer(504, None)
-    stored = st.stored.get((account_id, request.match_info["key"]))
+    stored = st.stored_answer(account_id, request.match_info["key"])
     if stored is None:
         ans = Answer(404, {"error": "not_found"})
     elif stored.status is None or stored.body is None:
@@ -270,6 +247,7 @@ async def sim_ledger(request: web.Request) -> web.Response:
     """``GET /_sim/ledger``: sends per transaction, tokens, 401s, 429s, request counts."""
     st = request.app[STATE]
     out = st.ledger.as_dict(st.accounts)
+    out["holds_pending"] = st.holds_pending()
     out["config"] = st.config.as_dict()
     return web.json_response(out)
 
@@ -297,21 +275,33 @@ async def sim_script(request: web.Request) -> web.Response:
     """``POST /_sim/script``: queue forced answers for an account's next requests.
 
     Body: ``{"account_id": "a", "answers": [{"fault": "429", "retry_after": 2,
-    "endpoint": "create"}]}``; fault is one of 429, 503, 500, 502, 504, lost, slow;
-    endpoint is create, lookup, token or any; ``applied`` (bool) for 500/502/504.
+    "endpoint": "create"}]}``; fault is one of 429, 503, 500, 502, 504, lost, slow, hold,
+    outage_after_apply, html_200; endpoint is create, lookup, token or any (the last three
+    faults: create only, the default for them); ``applied`` (bool) for 500/502/504;
+    ``seconds`` for hold and outage_after_apply (else the config's).
     """
     st = request.app[STATE]
     try:
         data = json.loads(await request.read())
         account_id, answers = data["account_id"], data["answers"]
         for a in answers:
-            if str(a.get("fault")) not in FAULTS:
-                raise ValueError(f"fault must be one of {FAULTS}")
-            a["fault"] = str(a["fault"])
+            _check_scripted(a)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return web.json_response({"error": f"bad script: {exc}"}, status=400)
     st.account(str(account_id)).script.extend(answers)
     return web.json_response({"queued": len(st.account(str(account_id)).script)})
+
+
+def _check_scripted(answer: dict[str, Any]) -> None:
+    """Validate one scripted answer in place (the fault as a string); ValueError if bad."""
+    fault = answer["fault"] = str(answer.get("fault"))
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}")
+    # these decide what happens to a payment: on a lookup or a token request they mean nothing
+    if fault in CREATE_ONLY_FAULTS and answer.setdefault("endpoint", "create") != "create":
+        raise ValueError(f"fault {fault} is for endpoint create only")
+    if answer.get("seconds") is not None:
+        answer["seconds"] = check_seconds("seconds", answer["seconds"])
 
 
 async def sim_requests(request: web.Request) -> web.Response:
@@ -363,6 +353,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p-lost", type=float, default=d.p_lost, help="applied, connection reset")
     p.add_argument("--p-slow", type=float, default=d.p_slow, help="applied, answered late")
     p.add_argument("--slow-seconds", type=float, default=d.slow_seconds)
+    p.add_argument(
+        "--p-hold", type=float, default=d.p_hold, help="key held in flight (409), then applied"
+    )
+    p.add_argument("--hold-seconds", type=float, default=d.hold_seconds)
+    p.add_argument(
+        "--p-outage-after-apply",
+        type=float,
+        default=d.p_outage_after_apply,
+        help="applied, connection reset, then the account answers 503",
+    )
+    p.add_argument("--outage-seconds", type=float, default=d.outage_seconds)
+    p.add_argument(
+        "--p-html-200", type=float, default=d.p_html_200, help="applied, answered 200 text/html"
+    )
+    p.add_argument(
+        "--key-retention-seconds",
+        type=float,
+        default=d.key_retention_seconds,
+        help="a decided key is forgotten this long after (lookup 404, create pays again)",
+    )
     p.add_argument("--seed", type=int, default=None)
     return p
 
@@ -370,12 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """A SimConfig from parsed flags (validated like ``POST /_sim/config``)."""
     cfg = SimConfig()
-    names = {
-        "token_ttl", "max_in_flight", "rate", "token_rate", "latency_ms", "latency_jitter_ms",
-        "p503", "p500", "p502", "p504", "p_fault_applied", "p_lost", "p_slow", "slow_seconds",
-        "secret",
-    }  # fmt: skip
-    cfg.update({n: getattr(args, n) for n in names})
+    # every config field has its flag (tests/unit/test_gateway_sim_state.py checks it)
+    cfg.update({f.name: getattr(args, f.name) for f in dataclasses.fields(cfg)})
     return cfg
 
 

@@ -18,7 +18,10 @@ from typing import Any
 
 from payment_worker.domain.idempotency import fingerprint
 
-FAULTS = ("429", "503", "500", "502", "504", "lost", "slow")
+# scriptable only on creates: each one decides what happens to a payment
+CREATE_ONLY_FAULTS = ("hold", "outage_after_apply", "html_200")
+# kinds of answers ``POST /_sim/script`` can force
+FAULTS = ("429", "503", "500", "502", "504", "lost", "slow", *CREATE_ONLY_FAULTS)
 _CURRENCY = re.compile(r"^[A-Z]{3}$")
 
 
@@ -40,11 +43,23 @@ class SimConfig:
     p_lost: float = 0.0  # probability that a payment is applied and the connection reset
     p_slow: float = 0.0  # probability that a payment is applied and answered late
     slow_seconds: float = 10.0  # how late a slow answer comes
+    # in-doubt faults (docs/gateway.md, "Faults"): a create held in flight, then applied
+    # with its answer lost; applied and lost, then an account outage; a proxy's HTML 200
+    p_hold: float = 0.0  # probability that a create is held in flight (409s), then applied
+    hold_seconds: float = 10.0  # how long a held key stays in flight
+    p_outage_after_apply: float = 0.0  # probability: applied, reset, then the account is down
+    outage_seconds: float = 10.0  # how long the account answers 503 after such a create
+    p_html_200: float = 0.0  # probability: applied, answered 200 text/html (a broken proxy)
+    key_retention_seconds: float = 86400.0  # a decided key is forgotten this long after
     secret: str = "sim-secret"  # the client secret every account must present
 
     def update(self, values: dict[str, Any]) -> None:
-        """Set fields from a JSON object; raises ValueError on unknown names or bad types."""
-        names = {f.name: f for f in dataclasses.fields(self)}
+        """Set fields from a JSON object; raises ValueError on unknown names or bad values.
+
+        All or nothing: one bad value leaves every field as it was.
+        """
+        names = {f.name for f in dataclasses.fields(self)}
+        checked: dict[str, Any] = {}
         for key, value in values.items():
             if key not in names:
                 raise ValueError(f"unknown config field {key!r}")
@@ -56,7 +71,14 @@ class SimConfig:
                 raise ValueError(f"{key} must be a number")
             elif key.startswith("p") and not 0 <= value <= 1:
                 raise ValueError(f"{key} must be a probability")
-            setattr(self, key, type(current)(value))
+            elif key.endswith("_seconds"):
+                check_seconds(key, value)
+            if key == "key_retention_seconds" and value <= 0:
+                # 0 would forget every answer at once: no replay or lookup could ever work
+                raise ValueError(f"{key} must be more than 0")
+            checked[key] = type(current)(value)
+        for key, value in checked.items():
+            setattr(self, key, value)
 
     def as_dict(self) -> dict[str, Any]:
         """The config as JSON, without the secret."""
@@ -94,6 +116,7 @@ class Account:
     token_bucket: Bucket | None = None
     script: deque[dict[str, Any]] = field(default_factory=deque)
     log: deque[list[Any]] = field(default_factory=lambda: deque(maxlen=5000))
+    outage_until: float = 0.0  # monotonic time until which the account answers 503
 
 
 @dataclass
@@ -103,6 +126,8 @@ class Stored:
     fingerprint: str
     status: int | None = None  # None while in flight
     body: dict[str, Any] | None = None
+    decided_at: float = 0.0  # monotonic time the answer was stored (retention counts from it)
+    held: bool = False  # in flight because of a hold fault, applied when the hold ends
 
 
 @dataclass
@@ -116,6 +141,8 @@ class Ledger:
     http_401: int = 0
     http_401_invalid_client: int = 0
     http_429: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)  # injected faults by kind
+    keys_forgotten: int = 0  # stored answers dropped for being older than the retention
 
     def as_dict(self, accounts: dict[str, Account]) -> dict[str, Any]:
         """The ledger as JSON."""
@@ -134,6 +161,8 @@ class Ledger:
             "max_in_flight_seen": {a: s.max_in_flight_seen for a, s in accounts.items()},
             "requests": {**self.requests, "total": sum(self.requests.values())},
             "statuses": dict(self.statuses),
+            "faults": dict(self.faults),
+            "keys_forgotten": self.keys_forgotten,
         }
 
 
@@ -242,6 +271,57 @@ class SimState:
             "currency": body["currency"],
         }
 
+    def settle(
+        self, account_id: str, body: dict[str, Any], entry: Stored
+    ) -> tuple[int, dict[str, Any]]:
+        """Decide the payment in flight under ``entry``, store its answer there, return it."""
+        status, answer = self.apply(account_id, body)
+        entry.status, entry.body = status, answer
+        entry.decided_at = time.monotonic()
+        entry.held = False
+        return status, answer
+
+    def stored_answer(self, account_id: str, key: str) -> Stored | None:
+        """What is stored under the key, forgetting an answer older than the retention.
+
+        Forgotten lazily, on the next request that asks: the protocol only promises that a
+        key is kept for the retention, and a lookup or create is the only way to tell.
+        A key still in flight is never forgotten.
+        """
+        skey = (account_id, key)
+        entry = self.stored.get(skey)
+        if entry is None or entry.status is None:
+            return entry
+        if time.monotonic() - entry.decided_at > self.config.key_retention_seconds:
+            del self.stored[skey]
+            self.ledger.keys_forgotten += 1
+            return None
+        return entry
+
+    def finish_hold(self, account_id: str, key: str, body: dict[str, Any], entry: Stored) -> bool:
+        """The end of a hold: apply the payment held under the key; False if reset since."""
+        if self.stored.get((account_id, key)) is not entry:
+            return False  # a reset forgot it: that payment never happened
+        self.settle(account_id, body, entry)
+        return True
+
+    def holds_pending(self) -> int:
+        """Keys held in flight whose payment is not applied yet."""
+        return sum(1 for entry in self.stored.values() if entry.held)
+
+    # --- outages ----------------------------------------------------------------------
+    def start_outage(self, account_id: str, seconds: float) -> None:
+        """From now on, for ``seconds``, the account answers 503 to creates and lookups."""
+        acct = self.account(account_id)
+        acct.outage_until = max(acct.outage_until, time.monotonic() + seconds)
+
+    def outage_left(self, account_id: str) -> float:
+        """Seconds left of the account's outage, 0.0 when it is up."""
+        acct = self.accounts.get(account_id)
+        if acct is None:
+            return 0.0
+        return max(0.0, acct.outage_until - time.monotonic())
+
     @staticmethod
     def body_fingerprint(body: dict[str, Any]) -> str:
         """The fingerprint that tells "same body" from "another body" under one key."""
@@ -251,6 +331,15 @@ class SimState:
 def retry_after_header(seconds: float) -> str:
     """``Retry-After`` in whole seconds, at least 1."""
     return str(max(1, math.ceil(seconds)))
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """``value`` as seconds: a finite number, at least 0; ValueError naming ``name`` if not."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number of seconds, at least 0")
+    return float(value)
 
 
 def check_key(key: str | None) -> str | None:

@@ -1,7 +1,9 @@
-"""Simulator conformance: one test per row of shared/gateway-protocol.md, over real HTTP."""
+"""Simulator conformance: one test per row of docs/gateway-protocol.md, over real HTTP."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.sim_fixtures import SimHandle
+from tests.sim_fixtures import ROOT, SimHandle, run_simulator
 
 SECRET = "sim-secret"
 
@@ -366,3 +368,228 @@ def test_script_forces_the_next_answers(api: Api, gateway_sim: SimHandle) -> Non
     assert api.create(tok, "k-1", body()).status_code == 201
     statuses = [s for _, endpoint, s in gateway_sim.requests("acct-1") if endpoint == "create"]
     assert statuses == [429, 503, 201]
+
+
+# --- in-doubt faults ------------------------------------------------------------------------
+RESET = (httpx.ReadError, httpx.RemoteProtocolError)
+
+
+def _sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.monotonic()))
+
+
+def test_hold_409s_create_and_lookup_then_applies_once(api: Api, gateway_sim: SimHandle) -> None:
+    gateway_sim.configure(p_hold=1.0, hold_seconds=1.0)
+    tok = api.token()
+    t0 = time.monotonic()
+    with pytest.raises(RESET):  # the request that started the hold never gets its answer
+        api.create(tok, "k-1", body())
+    gateway_sim.configure(p_hold=0.0)
+    in_use = (409, {"error": "idempotency_key_in_use"})
+    r = api.create(tok, "k-1", body())
+    assert (r.status_code, r.json()) == in_use
+    r = api.create(tok, "k-1", body(amount=7))  # even with another body: still in flight
+    assert (r.status_code, r.json()) == in_use
+    r = api.lookup(tok, "k-1")
+    assert (r.status_code, r.json()) == in_use
+    ledger = gateway_sim.ledger()
+    assert (ledger["payments_sent"], ledger["holds_pending"]) == (0, 1)
+
+    _sleep_until(t0 + 1.3)
+    ledger = gateway_sim.wait_for_holds(timeout=5)
+    assert ledger["sends"] == {"acct-1/tx-1": 1}
+    looked = api.lookup(tok, "k-1")
+    assert looked.status_code == 200
+    stored = looked.json()
+    assert stored["http_status"] == 201 and stored["status"] == "succeeded"
+    replay = api.create(tok, "k-1", body())
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+    assert {**replay.json(), "http_status": 201} == stored
+    ledger = gateway_sim.ledger()
+    assert ledger["sends"] == {"acct-1/tx-1": 1} and ledger["double_payments"] == []
+    assert ledger["faults"] == {"hold": 1}
+    assert gateway_sim.statuses("acct-1", "create") == ["held", 409, 409, 200]
+    assert gateway_sim.statuses("acct-1", "lookup") == [409, 200]
+
+
+def test_a_scripted_hold_takes_its_own_seconds(api: Api, gateway_sim: SimHandle) -> None:
+    gateway_sim.configure(hold_seconds=60)
+    gateway_sim.script("acct-1", {"fault": "hold", "seconds": 0.5})  # endpoint: create
+    tok = api.token()
+    assert api.lookup(tok, "k-0").status_code == 404  # a lookup does not take it
+    with pytest.raises(RESET):
+        api.create(tok, "k-1", body())
+    assert api.create(tok, "k-2", body("tx-2")).status_code == 201  # only the one is held
+    assert api.lookup(tok, "k-1").status_code == 409
+    ledger = gateway_sim.wait_for_holds(timeout=5)
+    assert ledger["sends"] == {"acct-1/tx-1": 1, "acct-1/tx-2": 1}
+    assert api.lookup(tok, "k-1").json()["http_status"] == 201
+
+
+def test_a_reset_during_a_hold_drops_the_held_payment(api: Api, gateway_sim: SimHandle) -> None:
+    gateway_sim.configure(p_hold=1.0, hold_seconds=0.5)
+    with pytest.raises(RESET):
+        api.create(api.token(), "k-1", body())
+    gateway_sim.reset()
+    time.sleep(0.8)
+    assert gateway_sim.ledger()["payments_sent"] == 0
+
+
+def test_outage_after_apply_pays_once_then_503s_then_recovers(
+    api: Api, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.configure(p_outage_after_apply=1.0, outage_seconds=1.5)
+    tok = api.token()
+    t0 = time.monotonic()
+    with pytest.raises(RESET):  # applied, and its answer lost
+        api.create(tok, "k-1", body())
+    gateway_sim.configure(p_outage_after_apply=0.0)
+    assert gateway_sim.ledger()["sends"] == {"acct-1/tx-1": 1}
+    down = (503, {"error": "service_unavailable"})
+    r = api.create(tok, "k-2", body("tx-2"))
+    assert (r.status_code, r.json()) == down
+    r = api.lookup(tok, "k-1")
+    assert (r.status_code, r.json()) == down
+    assert api.create("stale-token", "k-3", body("tx-3")).status_code == 503  # before auth
+    # only that account is down, and the token endpoint is up
+    assert api.token_response("acct-1").status_code == 200
+    tok = api.token()
+    assert api.create(api.token("acct-2"), "k-1", body(), "acct-2").status_code == 201
+    assert time.monotonic() - t0 < 1.5, "the checks above must run inside the outage"
+    assert gateway_sim.ledger()["payments_sent"] == 2  # tx-1 of acct-1, tx-1 of acct-2
+
+    _sleep_until(t0 + 1.7)
+    r = api.lookup(tok, "k-1")
+    assert (r.status_code, r.json()["http_status"]) == (200, 201)
+    assert api.create(tok, "k-2", body("tx-2")).status_code == 201  # nothing applied before
+    ledger = gateway_sim.ledger()
+    assert ledger["sends"] == {"acct-1/tx-1": 1, "acct-1/tx-2": 1, "acct-2/tx-1": 1}
+    assert ledger["double_payments"] == []
+    assert ledger["faults"] == {"outage_after_apply": 1, "outage_503": 3}
+    assert gateway_sim.statuses("acct-1", "create") == ["outage", 503, 503, 201]
+    assert gateway_sim.statuses("acct-1", "lookup") == [503, 200]
+
+
+def test_a_key_past_the_retention_is_forgotten_and_a_resend_pays_again(
+    api: Api, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.configure(key_retention_seconds=0.5)
+    tok = api.token()
+    first = api.create(tok, "k-1", body())
+    assert first.status_code == 201
+    assert api.lookup(tok, "k-1").status_code == 200
+    assert api.create(tok, "k-1", body()).status_code == 200  # a replay within the retention
+    time.sleep(0.7)
+    r = api.lookup(tok, "k-1")
+    assert (r.status_code, r.json()) == (404, {"error": "not_found"})
+    again = api.create(tok, "k-1", body())  # the same key, the same body: a new payment
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again.headers
+    assert again.json()["payment_id"] != first.json()["payment_id"]
+    ledger = gateway_sim.ledger()
+    assert ledger["sends"] == {"acct-1/tx-1": 2}
+    assert ledger["double_payments"] == ["acct-1/tx-1"]
+    assert ledger["keys_forgotten"] == 1
+
+
+def test_the_default_retention_keeps_keys(api: Api, gateway_sim: SimHandle) -> None:
+    assert gateway_sim.ledger()["config"]["key_retention_seconds"] == 86400.0
+    tok = api.token()
+    assert api.create(tok, "k-1", body()).status_code == 201
+    time.sleep(0.3)
+    assert api.lookup(tok, "k-1").status_code == 200
+    assert gateway_sim.ledger()["keys_forgotten"] == 0
+
+
+def test_html_200_is_applied_and_the_lookup_finds_it(api: Api, gateway_sim: SimHandle) -> None:
+    gateway_sim.configure(p_html_200=1.0)
+    tok = api.token()
+    r = api.create(tok, "k-1", body())
+    assert r.status_code == 200
+    assert r.headers["Content-Type"].startswith("text/html")
+    assert r.text.lstrip().lower().startswith("<!doctype html>")
+    assert "Idempotent-Replayed" not in r.headers
+    with pytest.raises(ValueError):
+        r.json()
+    gateway_sim.configure(p_html_200=0.0)
+    looked = api.lookup(tok, "k-1")
+    assert looked.status_code == 200 and looked.json()["http_status"] == 201
+    assert looked.json()["transaction_id"] == "tx-1"
+    replay = api.create(tok, "k-1", body())
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+    ledger = gateway_sim.ledger()
+    assert ledger["sends"] == {"acct-1/tx-1": 1}
+    assert ledger["faults"] == {"html_200": 1}
+    assert gateway_sim.statuses("acct-1", "create") == [200, 200]
+
+
+def test_scripted_html_200_and_outage_after_apply(api: Api, gateway_sim: SimHandle) -> None:
+    gateway_sim.script(
+        "acct-1", {"fault": "html_200"}, {"fault": "outage_after_apply", "seconds": 0.3}
+    )
+    tok = api.token()
+    assert api.create(tok, "k-1", body()).headers["Content-Type"].startswith("text/html")
+    with pytest.raises(RESET):
+        api.create(tok, "k-2", body("tx-2"))
+    assert api.lookup(tok, "k-2").status_code == 503
+    time.sleep(0.5)
+    assert api.lookup(tok, "k-2").json()["http_status"] == 201
+    assert gateway_sim.ledger()["sends"] == {"acct-1/tx-1": 1, "acct-1/tx-2": 1}
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"fault": "hold", "endpoint": "lookup"},
+        {"fault": "html_200", "endpoint": "any"},
+        {"fault": "outage_after_apply", "endpoint": "token"},
+        {"fault": "hold", "seconds": -1},
+        {"fault": "hold", "seconds": "soon"},
+        {"fault": "held"},
+    ],
+)
+def test_script_rejects_bad_in_doubt_answers(gateway_sim: SimHandle, answer: Any) -> None:
+    with httpx.Client(base_url=gateway_sim.url) as c:
+        r = c.post("/_sim/script", json={"account_id": "acct-1", "answers": [answer]})
+    assert r.status_code == 400 and "bad script" in r.json()["error"]
+
+
+IN_DOUBT_CONFIG = {
+    "p_hold": 0.5,
+    "hold_seconds": 1.5,
+    "p_outage_after_apply": 0.25,
+    "outage_seconds": 2.0,
+    "p_html_200": 0.125,
+    "key_retention_seconds": 3.0,
+}
+
+
+def test_in_doubt_config_is_settable_and_checked(gateway_sim: SimHandle) -> None:
+    assert gateway_sim.configure(**IN_DOUBT_CONFIG).items() >= IN_DOUBT_CONFIG.items()
+    with httpx.Client(base_url=gateway_sim.url) as c:
+        for name, bad in [
+            ("p_hold", 1.5),
+            ("p_outage_after_apply", -1),
+            ("p_html_200", "often"),
+            ("hold_seconds", -1),
+            ("outage_seconds", -0.1),
+            ("key_retention_seconds", 0),
+        ]:
+            r = c.post("/_sim/config", json={name: bad, "rate": 1})
+            assert r.status_code == 400 and name in r.json()["error"], name
+    config = gateway_sim.ledger()["config"]
+    assert config.items() >= IN_DOUBT_CONFIG.items()
+    assert config["rate"] == 20.0  # a rejected update changes nothing
+
+
+def test_in_doubt_flags_set_the_config() -> None:
+    with run_simulator(**IN_DOUBT_CONFIG) as sim:
+        assert sim.ledger()["config"].items() >= IN_DOUBT_CONFIG.items()
+
+
+def test_a_bad_in_doubt_flag_stops_the_simulator() -> None:
+    # one case end to end; the unit tests check every field's values
+    cmd = [sys.executable, "-m", "payment_worker.cli", "gateway-sim", "--port", "0"]
+    cmd += ["--hold-seconds", "-1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "hold_seconds must be a finite number of seconds" in done.stdout
