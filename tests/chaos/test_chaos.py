@@ -23,7 +23,7 @@ import redis
 
 from payment_worker import runtime
 from payment_worker.db.work import open_counts
-from payment_worker.dev.local_cluster import LocalCluster
+from payment_worker.dev.local_cluster import LocalCluster, ManagedProcess
 from payment_worker.dev.reconcile import reconcile
 from payment_worker.dev.samples import make_batches
 from payment_worker.producer.submit import submit_batch
@@ -46,6 +46,30 @@ def _rss_kb(pid: int) -> int:
 
 def _terminal(counts: dict[str, int]) -> int:
     return sum(counts.get(s, 0) for s in ("succeeded", "failed", "dead"))
+
+
+def _stop_a_holder(
+    app: redis.Redis, candidates: list[ManagedProcess], accounts: int, ttl_ms: int
+) -> tuple[ManagedProcess, int] | None:
+    """SIGSTOP candidates in turn until one is shown to hold account locks (they are left to
+    expire unrenewed); that one stays stopped and is returned with the count. An idle one is
+    resumed untouched: a fault on a process that holds nothing would prove nothing."""
+    for proc in candidates:
+        held = _locks(app, accounts)
+        proc.pause()
+        orphaned = _orphaned(app, held, ttl_ms)
+        if orphaned:
+            return proc, orphaned
+        proc.resume()
+    return None
+
+
+def _has_drained(proc: ManagedProcess) -> bool:
+    """Whether the worker has finished a drain (its log says so): it is taking work."""
+    try:
+        return b"account_drained" in proc.log_path.read_bytes()
+    except OSError:
+        return False
 
 
 def _locks(app: redis.Redis, accounts: int) -> dict[str, bytes]:
@@ -89,6 +113,7 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
         "RETRY_MAX_ATTEMPTS": "15",
     }
     rng = random.Random(7)
+    ttl = lock_ttl_ms
     broker = redis.Redis.from_url(pw_env.broker_url)
     app = redis.Redis.from_url(pw_env.redis_url)
     declined = sum(
@@ -129,21 +154,26 @@ def test_chaos(pw_env: PwEnv, tmp_path: Path) -> None:
             while submitted < max(due, upfront):
                 assert submit_batch(batches[submitted]).status == "accepted"
                 submitted += 1
-            workers = [w for w in cluster.workers() if w is not witness]
+            # only workers that have drained an account are victims: a process still booting
+            # holds nothing, and a fault must hit a holder to prove anything
+            workers = [w for w in cluster.workers() if w is not witness and _has_drained(w)]
             rss.append(sum(_rss_kb(w.pid) for w in cluster.workers()))
             witness_rss.append((now - start, _rss_kb(witness.pid)))
             if now >= next_kill and workers:
-                held = _locks(app, accounts)
-                rng.choice(workers).kill()
-                cluster.start_worker()
-                kills += 1
-                hits.append(("kill", _orphaned(app, held, lock_ttl_ms)))
+                stopped = _stop_a_holder(app, rng.sample(workers, len(workers)), accounts, ttl)
+                if stopped is not None:
+                    victim, orphaned = stopped
+                    victim.kill()  # a stopped process dies as well
+                    cluster.start_worker()
+                    kills += 1
+                    hits.append(("kill", orphaned))
                 next_kill = now + (rng.uniform(20, 40) if LONG else rng.uniform(3, 6))
             if now >= next_pause and workers:
-                victim = rng.choice(workers)
-                held = _locks(app, accounts)
-                victim.pause()
-                hits.append(("pause", _orphaned(app, held, lock_ttl_ms)))
+                stopped = _stop_a_holder(app, rng.sample(workers, len(workers)), accounts, ttl)
+                if stopped is None:
+                    continue
+                victim, orphaned = stopped
+                hits.append(("pause", orphaned))
                 time.sleep(lock_ttl_ms / 1000 * 0.4 + 2)  # in all, longer than the lock TTL
                 victim.resume()
                 pauses += 1

@@ -111,6 +111,12 @@ def test_a_key_held_in_flight_for_60s_is_paid_once_and_never_dead(
         # applied with its response lost
         sim.script(ACCT, {"fault": "hold", "seconds": 60, "endpoint": "create"})
         _submit(_batch("held", n=2))
+        # the item in doubt does not hold up the rest of its account
+        deadline = time.monotonic() + 20
+        while _rows("held").get("held-tx-1", ("",))[0] != "succeeded":
+            assert time.monotonic() < deadline, _rows("held")
+            time.sleep(0.25)
+        assert _rows("held")["held-tx-0"][0] == "unknown"
         rows = _settle("held", timeout=100, never="dead")
         sim.wait_for_holds()
         ledger = sim.ledger()
