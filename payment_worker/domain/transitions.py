@@ -243,29 +243,16 @@ def after_conflict(
     anything else stored is a conflict a person must look at. No final answer yet: still in
     doubt (the 422 says something is stored), looked up again later.
     """
-    if found.outcome is Outcome.SUCCEEDED:
-        stored = found.stored or {}
-        same = (
-            stored.get("transaction_id") == request.transaction_id
-            and stored.get("amount") == request.amount
-            and stored.get("currency") == request.currency
-        )
-        if same:
-            return Decision(
-                TxStatus.SUCCEEDED,
-                payment_id=found.payment_id,
-                key_status=KeyStatus.APPLIED,
-                doubt=Doubt.CLEAR,
-            )
-    elif found.outcome is Outcome.DECLINED:
-        return Decision(
-            TxStatus.FAILED,
-            error_class=found.error_class,
-            error=found.error,
-            key_status=KeyStatus.DECLINED,
-            doubt=Doubt.CLEAR,
-        )
-    elif found.outcome is not Outcome.NOT_FOUND:
+    stored = found.stored or {}
+    ours = (
+        stored.get("transaction_id") == request.transaction_id
+        and stored.get("amount") == request.amount
+        and stored.get("currency") == request.currency
+    )
+    final = _final(found)
+    if final is not None and (found.outcome is Outcome.DECLINED or ours):
+        return final
+    if final is None and found.outcome is not Outcome.NOT_FOUND:
         return _still_in_doubt(
             found, lookups=lookups, doubt_age=doubt_age, policy=policy, doubt=Doubt.SINCE_DISPATCH
         )
