@@ -47,6 +47,17 @@ class Settings(BaseSettings):
     embedded_pg_os_user: str = Field("pgserver", min_length=1, max_length=32)
     redis_key_prefix: str = "pw"
 
+    # --- database connections (docs/configuration.md) ---------------------------------------
+    # sent at connect time (libpq options); 0: not sent, the server's or role's value holds
+    db_statement_timeout_ms: int = Field(30_000, ge=0)
+    db_lock_timeout_ms: int = Field(10_000, ge=0)
+    # TCP keepalives (libpq keepalives_*): a silent server or a dropped network is noticed
+    db_keepalives_idle: int = Field(30, ge=1)
+    db_keepalives_interval: int = Field(10, ge=1)
+    db_keepalives_count: int = Field(3, ge=1)
+    # how long sent data may stay unacknowledged before the connection is dropped; 0: the OS's
+    db_tcp_user_timeout_ms: int = Field(60_000, ge=0)
+
     # --- gateway --------------------------------------------------------------------------
     gateway_url: str = "http://127.0.0.1:8700"
     gateway_client_secret: SecretStr = SecretStr("sim-secret")
