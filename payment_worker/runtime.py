@@ -118,6 +118,7 @@ class Runtime:
             safety_margin_ms=s.lock_safety_margin_ms,
             key_prefix=s.redis_key_prefix,
             renewal_redis=self.renewal_redis,
+            max_stall=s.lock_max_stall_seconds,
         )
 
     def close(self) -> None:
