@@ -26,8 +26,12 @@ Each entry: key (type, TTL): what it holds; who writes it.
 ``{prefix}:waiting:{acct}`` (string, 4 x ``LOCK_TTL_MS``)
     "Work waiting" left by a task that found the lock busy; value: a batch id. The drain
     loop (set by any task, deleted by the holder).
-``{prefix}:scheduled:{acct}`` (string, countdown + 5 s)
-    The account's one delayed message is on its way; value: a batch id. The drain loop.
+``{prefix}:scheduled:{acct}`` (hash, until its due time + 5 s)
+    The account's one delayed message is on its way: ``due`` (ms, Redis server clock),
+    ``batch`` (the batch id it carries). The drain loop (``schedule_claim.lua``: an earlier
+    message replaces a later one), cleared by that message's task (``schedule_clear.lua``).
+    Versions before due times wrote a string (the batch id, countdown + 5 s); the scripts
+    read it as due 5 s before it expires.
 ``{prefix}:swept:{acct}`` (string, ``SWEEPER_STALE_AFTER``)
     A repair message was sent for the account; value: a batch id. The sweeper.
 ``{prefix}:sweeper`` (string, max(30 s, 4 x ``SWEEPER_INTERVAL``))

@@ -49,7 +49,7 @@ from payment_worker.ops.metrics import (
 )
 from payment_worker.runtime import Runtime
 from payment_worker.worker.ports import AccountQueue, Gateway, Guard, HeldLock, WorkStore
-from payment_worker.worker.queueing import RedisAccountQueue
+from payment_worker.worker.queueing import RedisAccountQueue, clear_schedule
 
 log = get_logger("processing")
 
@@ -314,12 +314,19 @@ def run_account(account_id: str, batch_id: str, rt: Runtime) -> DrainReport:
     return drainer_for(rt).run_account(account_id, batch_id)
 
 
-def run_batch_task(batch_id: str, rt: Runtime) -> DrainReport:
-    """The body of the ``process_account_batch`` task."""
+def run_batch_task(
+    batch_id: str, rt: Runtime, *, scheduled_due_ms: int | None = None
+) -> DrainReport:
+    """The body of the ``process_account_batch`` task; ``scheduled_due_ms``: the message is
+    the account's delayed one (:func:`~payment_worker.worker.queueing.schedule`)."""
     with rt.engine.connect() as conn:
         account_id = account_of_batch(conn, batch_id)
     if account_id is None:
         log.warning("batch_missing", batch_id=batch_id)
         TASK_EXECUTIONS.labels("missing").inc()
         return DrainReport(account_id="", result="missing")
+    if scheduled_due_ms is not None:
+        # before draining: what this drain (or the holder it marks) schedules next must find
+        # no marker of a message that has already arrived
+        clear_schedule(rt, account_id, scheduled_due_ms)
     return run_account(account_id, batch_id, rt)

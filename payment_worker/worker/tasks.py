@@ -10,9 +10,16 @@ from payment_worker.worker.sweeper import run_sweep
 
 
 @app.task(name=PROCESS_TASK, bind=False)
-def process_account_batch(batch_id: str) -> None:
-    """Take one account's batch through the state machine (queue ``payments``)."""
-    run_batch_task(batch_id, runtime.current())
+def process_account_batch(batch_id: str, scheduled_due_ms: int | None = None) -> None:
+    """Take one account's batch through the state machine (queue ``payments``).
+
+    ``batch_id`` is the one positional argument producers and ops send. A delayed message
+    of the drain loop also carries ``scheduled_due_ms`` (its marker's due time), so that its
+    run clears the account's ``scheduled`` marker. (During a rolling upgrade a worker of an
+    older version fails such a message, unexpected keyword: the sweeper re-enqueues the
+    account once it is stale.)
+    """
+    run_batch_task(batch_id, runtime.current(), scheduled_due_ms=scheduled_due_ms)
 
 
 @app.task(name=SWEEP_TASK)
