@@ -6,6 +6,11 @@ whose lock is free, and enqueues one of their batches: this covers messages the 
 delayed message lost with its worker, and items left ``dispatching``/``unknown`` by a crash.
 Those in-doubt items are resolved by lookup by the next lock holder, under the account lock
 and its fencing token, never by the sweeper itself, so even repair cannot race a holder.
+
+It also finds accounts with a batch left not completed although all its items are terminal
+(a drain that ended by lock loss, fencing or a crash right after a full last chunk) and
+enqueues them the same way: the holder that message starts completes the batch under its
+fence. The sweeper writes no row of its own, so every state write stays fenced.
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     s = res.settings
     with res.engine.connect() as conn:
         stalled = repo.stalled_accounts(conn, s.sweeper_stale_after)
+        seen = {acct.account_id for acct in stalled}
+        stalled += [
+            acct
+            for acct in repo.uncompleted_batch_accounts(conn, s.sweeper_stale_after)
+            if acct.account_id not in seen
+        ]
     requeued: list[str] = []
     busy = 0
     for acct in stalled:
@@ -75,6 +86,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
             account_id=acct.account_id,
             batch_id=acct.batch_id,
             in_doubt=acct.in_doubt,
+            uncompleted=acct.uncompleted,
         )
     SWEEPS.labels("ok").inc()
     return {"result": "ok", "stalled": len(stalled), "busy": busy, "reenqueued": requeued}
