@@ -6,7 +6,7 @@ from payment_worker import runtime
 from payment_worker.worker.celery_app import app
 from payment_worker.worker.drain import run_batch_task
 from payment_worker.worker.queueing import PROCESS_TASK, SWEEP_TASK
-from payment_worker.worker.sweeper import run_sweep
+from payment_worker.worker.sweeper import sweep_if_due
 
 
 @app.task(name=PROCESS_TASK, bind=False)
@@ -24,5 +24,7 @@ def process_account_batch(batch_id: str, scheduled_due_ms: int | None = None) ->
 
 @app.task(name=SWEEP_TASK)
 def sweep() -> None:
-    """Beat's periodic repair: re-enqueue stalled batches, resolve stuck items."""
-    run_sweep(runtime.current())
+    """Beat's periodic repair, a fallback: every worker process sweeps in its own thread
+    (worker/lifecycle.py); through the same gate, so the fleet sweeps about once per
+    SWEEPER_INTERVAL either way."""
+    sweep_if_due(runtime.current())
