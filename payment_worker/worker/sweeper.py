@@ -69,7 +69,7 @@ class SweeperThread(threading.Thread):
         self._current = current
         self._interval = interval
         self._stopping = threading.Event()
-        self.passes = 0  # ticks that ran a pass (tests, logs)
+        self.passes = 0  # ticks that took their interval and ran (or tried) a pass
 
     def run(self) -> None:
         # a random phase, then every interval (+-10 %): processes started together spread out
@@ -93,7 +93,7 @@ class SweeperThread(threading.Thread):
 
 
 def run_sweep(res: Runtime) -> dict[str, Any]:
-    """One sweeper pass, under a Redis lock so two beats never overlap; returns a summary."""
+    """One sweeper pass, under a Redis lock so two passes never overlap; returns a summary."""
     s = res.settings
     # redis-py's Lock: owner token, Lua release; the timeout bounds a crashed sweeper
     guard = res.redis.lock(
