@@ -26,16 +26,24 @@ Each entry: key (type, TTL): what it holds; who writes it.
 ``{prefix}:waiting:{acct}`` (string, 4 x ``LOCK_TTL_MS``)
     "Work waiting" left by a task that found the lock busy; value: a batch id. The drain
     loop (set by any task, deleted by the holder).
-``{prefix}:scheduled:{acct}`` (string, countdown + 5 s)
-    The account's one delayed message is on its way; value: a batch id. The drain loop.
+``{prefix}:scheduled:{acct}`` (hash, until its due time + 5 s)
+    The account's one delayed message is on its way: ``due`` (ms, Redis server clock),
+    ``batch`` (the batch id it carries). The drain loop (``schedule_claim.lua``: an earlier
+    message replaces a later one), cleared by that message's task (``schedule_clear.lua``).
+    Versions before due times wrote a string (the batch id, countdown + 5 s); the scripts
+    read it as due 5 s before it expires.
 ``{prefix}:swept:{acct}`` (string, ``SWEEPER_STALE_AFTER``)
     A repair message was sent for the account; value: a batch id. The sweeper.
 ``{prefix}:sweeper`` (string, max(30 s, 4 x ``SWEEPER_INTERVAL``))
-    The sweeper's own redis-py ``Lock``: two beats never sweep at once. The sweeper.
+    The sweeper's own redis-py ``Lock``: two passes never overlap. The sweeper.
+``{prefix}:sweeper:tick`` (string, 0.8 x ``SWEEPER_INTERVAL``)
+    This interval's pass is taken; value: the pid that took it. The sweeper threads of the
+    worker processes (and beat's fallback task): ``SET NX``, so the fleet sweeps about once
+    per interval however many processes tick.
 ``{prefix}:submit:{batch_id}`` (string, ``DEDUP_WINDOW_SECONDS``)
     The producer's dedup window; value: the batch's content fingerprint. The producer.
 
-``{acct}`` above is the literal hash tag: the account id between braces. The sweeper lock
+``{acct}`` above is the literal hash tag: the account id between braces. The sweeper's keys
 and the dedup window are not per account and have no hash tag.
 """
 
@@ -98,8 +106,12 @@ class RedisKeys:
         return self._account("swept", account_id)
 
     def sweeper_lock(self) -> str:
-        """The sweeper's own lock (one sweep at a time across all beats)."""
+        """The sweeper's own lock (one sweep at a time across all processes)."""
         return f"{self.prefix}:sweeper"
+
+    def sweeper_tick(self) -> str:
+        """Taken by the process that runs this interval's sweep (no hash tag: not per account)."""
+        return f"{self.sweeper_lock()}:tick"
 
     # --- the producer (payment_worker.producer.submit) ------------------------------------
     def submit_dedup(self, batch_id: str) -> str:

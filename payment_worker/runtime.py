@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import redis
 from sqlalchemy import Engine
 
-from payment_worker.db.engine import make_engine, make_fence_engine
+from payment_worker.db.engine import ConnectionLimits, make_engine, make_fence_engine
 from payment_worker.domain.retry import Backoff
 from payment_worker.domain.transitions import Policy
 from payment_worker.gateway.client import GatewayClient
@@ -74,9 +74,11 @@ class Runtime:
         self.settings = s
         self.urls = urls if urls is not None else ServiceUrls.resolve(s)
         self.pid = os.getpid()
-        self.engine: Engine = make_engine(self.urls.sqlalchemy)
+        # statement and lock timeouts, TCP keepalives: no connection blocks for ever
+        limits = ConnectionLimits.from_settings(s)
+        self.engine: Engine = make_engine(self.urls.sqlalchemy, limits=limits)
         # the fencing upsert on every lock acquisition: its own small pool, no pre-ping
-        self.fence_engine: Engine = make_fence_engine(self.urls.sqlalchemy)
+        self.fence_engine: Engine = make_fence_engine(self.urls.sqlalchemy, limits=limits)
         self.redis: redis.Redis = redis.Redis.from_url(self.urls.redis, health_check_interval=10)
         # renewals: no client-side retries, a socket timeout of at most TTL/3
         self.renewal_redis: redis.Redis = renewal_client(self.redis, s.lock_ttl_ms)
@@ -116,6 +118,7 @@ class Runtime:
             safety_margin_ms=s.lock_safety_margin_ms,
             key_prefix=s.redis_key_prefix,
             renewal_redis=self.renewal_redis,
+            max_stall=s.lock_max_stall_seconds,
         )
 
     def close(self) -> None:

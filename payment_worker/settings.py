@@ -47,6 +47,17 @@ class Settings(BaseSettings):
     embedded_pg_os_user: str = Field("pgserver", min_length=1, max_length=32)
     redis_key_prefix: str = "pw"
 
+    # --- database connections (docs/configuration.md) ---------------------------------------
+    # sent at connect time (libpq options); 0: not sent, the server's or role's value holds
+    db_statement_timeout_ms: int = Field(30_000, ge=0)
+    db_lock_timeout_ms: int = Field(10_000, ge=0)
+    # TCP keepalives (libpq keepalives_*): a silent server or a dropped network is noticed
+    db_keepalives_idle: int = Field(30, ge=1)
+    db_keepalives_interval: int = Field(10, ge=1)
+    db_keepalives_count: int = Field(3, ge=1)
+    # how long sent data may stay unacknowledged before the connection is dropped; 0: the OS's
+    db_tcp_user_timeout_ms: int = Field(60_000, ge=0)
+
     # --- gateway --------------------------------------------------------------------------
     gateway_url: str = "http://127.0.0.1:8700"
     gateway_client_secret: SecretStr = SecretStr("sim-secret")
@@ -67,6 +78,10 @@ class Settings(BaseSettings):
     lock_ttl_ms: int = Field(30_000, gt=0)
     lock_safety_margin_ms: int = Field(1_000, ge=0)
     lock_wait_timeout: float = Field(0.0, ge=0)
+    # the watchdog stops renewing a lock whose holder reported no progress for this long (a
+    # holder blocked in Postgres or in a hung call): the lock expires and another worker
+    # takes the account over behind the fence
+    lock_max_stall_seconds: float = Field(120.0, gt=0)
 
     # --- retries, lookups, dead letters ---------------------------------------------------
     retry_max_attempts: int = Field(8, ge=1)
@@ -155,6 +170,13 @@ class Settings(BaseSettings):
             raise ValueError("DRAIN_MAX_SECONDS must be below TASK_SOFT_TIME_LIMIT")
         if self.lock_safety_margin_ms >= self.lock_ttl_ms:
             raise ValueError("LOCK_SAFETY_MARGIN_MS must be below LOCK_TTL_MS")
+        if self.lock_max_stall_seconds <= self.gateway_quiet_max_seconds:
+            raise ValueError(
+                "LOCK_MAX_STALL_SECONDS must be above GATEWAY_PACING_MAX_WAIT + 2 x "
+                "(GATEWAY_CONNECT_TIMEOUT + GATEWAY_READ_TIMEOUT) + 3 "
+                f"({self.gateway_quiet_max_seconds:g}s), the longest a holder that is only "
+                "waiting on the gateway goes without reporting progress"
+            )
         if (
             self.in_doubt_max_seconds > self.key_trust_seconds / 2
             and not self.unsafe_allow_in_doubt_past_retention
@@ -172,6 +194,14 @@ class Settings(BaseSettings):
         key retention less a safety margin of a tenth of it (clock skew between the gateway
         and the database, the retention counted from the gateway's receipt, lookup latency)."""
         return self.gateway_key_retention_seconds * 0.9
+
+    @property
+    def gateway_quiet_max_seconds(self) -> float:
+        """The longest a healthy holder goes between two progress reports while it talks to
+        the gateway: one request, then the next one's token (its own refresh, or a wait for
+        another worker's: the refresh lock's TTL, one request + 1 s, plus 2 s) and pacing."""
+        per_call = self.gateway_connect_timeout + self.gateway_read_timeout
+        return self.gateway_pacing_max_wait + 2 * per_call + 3.0
 
     @property
     def home(self) -> Path:

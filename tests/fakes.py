@@ -6,7 +6,8 @@ They keep the rules the real adapters keep, so a unit test of the loop means som
   a crashed holder's dispatching -> unknown, only due items, batch order), writes only over
   dispatching/unknown rows (terminal rows never move back), and rejects a stale fencing token
   with FencedOut;
-* :class:`FakeLock` hands out a growing fencing token per acquisition and can be made lost;
+* :class:`FakeLock` hands out a growing fencing token per acquisition, can be made lost and
+  records when the holder reported progress;
 * :class:`FakeGateway` answers from a script per idempotency key, runs the guard right
   before every "send" as the real client does, and remembers what was paid;
 * :class:`FakeClock` is the one clock of all of them: ``sleep`` advances it.
@@ -219,6 +220,7 @@ class FakeLock:
         self.fence_token: int | None = None
         self.lost = False
         self.checks_left: int | None = None  # lose the lock after this many checks
+        self.progress_at: list[float] = []  # the clock at each progress report
         self._store = store
         self._holders = holders
 
@@ -237,6 +239,9 @@ class FakeLock:
             self.checks_left -= 1
         if self.lost or self._holders.get(self.account_id) is not self:
             raise LockLost(f"lock of {self.account_id} lost")
+
+    def progress(self) -> None:
+        self.progress_at.append(self._store.clock())
 
     def release(self) -> bool:
         if self._holders.get(self.account_id) is self:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, text
 
 from payment_worker.db.fences import FENCE_CTE, execute_fenced, fence_params
-from payment_worker.db.models import sql_values
+from payment_worker.db.models import OPEN_TX_PREDICATE, sql_values
 from payment_worker.domain.statuses import (
     IN_DOUBT_TX_STATUSES,
     OPEN_TX_STATUSES,
@@ -283,11 +283,13 @@ LIMIT :limit
 
 @dataclass(frozen=True, slots=True)
 class StalledAccount:
-    """An account with due open items and no progress for a while."""
+    """An account with due open items and no progress for a while, or (``uncompleted``) one
+    with a batch whose items are all terminal and that nobody completed."""
 
     account_id: str
     batch_id: str
     in_doubt: bool  # has dispatching/unknown items: the next holder resolves them by lookup
+    uncompleted: bool = False  # only a batch to complete: every item of it is terminal
 
 
 def stalled_accounts(
@@ -296,6 +298,38 @@ def stalled_accounts(
     """Accounts whose due open items saw no write for ``stale_after`` seconds (for the sweeper)."""
     rows = conn.execute(_STALLED, {"stale": stale_after, "limit": limit}).all()
     return [StalledAccount(r.account_id, r.batch_id, bool(r.in_doubt)) for r in rows]
+
+
+# Batches not completed although every item is terminal, untouched for :stale seconds: a
+# drain that ended (lock lost, fenced out, crashed) right after recording a batch's last
+# chunk, when that chunk was full, leaves the batch "processing" and, with no due item left,
+# nothing would ever start a holder for it. The open-items probe spells the partial indexes'
+# predicate (transactions_open_account_order_idx); the age is read only for batches without
+# an open item.
+_UNCOMPLETED = text(f"""
+SELECT b.account_id, min(b.batch_id) AS batch_id
+FROM batches b
+WHERE b.status <> 'completed'
+  AND NOT EXISTS (
+      SELECT 1 FROM transactions t
+      WHERE t.account_id = b.account_id AND t.batch_pk = b.id AND t.{OPEN_TX_PREDICATE}
+  )
+  AND (SELECT max(t.updated_at) FROM transactions t WHERE t.batch_pk = b.id)
+      < now() - make_interval(secs => :stale)
+GROUP BY b.account_id
+ORDER BY min(b.id)
+LIMIT :limit
+""")
+
+
+def uncompleted_batch_accounts(
+    conn: Connection, stale_after: float, limit: int = 500
+) -> list[StalledAccount]:
+    """Accounts with a batch left not completed although all its items are terminal and
+    none was written for ``stale_after`` seconds (for the sweeper: a holder completes it
+    under its fence; the sweeper itself never writes a batch row)."""
+    rows = conn.execute(_UNCOMPLETED, {"stale": stale_after, "limit": limit}).all()
+    return [StalledAccount(r.account_id, r.batch_id, False, uncompleted=True) for r in rows]
 
 
 def open_counts(conn: Connection) -> dict[str, int]:

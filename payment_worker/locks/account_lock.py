@@ -8,6 +8,10 @@
   another token, or a Redis that stays unreachable until the local deadline (last
   successful renewal + TTL - safety margin), marks the lock lost; :meth:`ensure_held`
   raises :class:`LockLost` before any side effect.
+* A holder reports progress (:meth:`AccountLock.progress`); one that reported none for
+  ``max_stall`` seconds is blocked somewhere, and the watchdog stops renewing its lock
+  (lost, ``stalled``), so the lock expires and another worker takes the account over
+  behind the fence.
 * Every acquisition takes a new fencing token from Postgres (one round trip); writes
   guarded by :mod:`payment_worker.db.fences` reject an older holder.
 * A blocking acquire waits in a FIFO queue: release hands the lock straight to the
@@ -33,7 +37,7 @@ from redis.exceptions import RedisError
 from payment_worker import lua
 from payment_worker.db.fences import next_fence_token
 from payment_worker.errors import LockLost, LockNotAcquired
-from payment_worker.locks.watchdog import RENEW_LUA, Watchdog, renewal_client
+from payment_worker.locks.watchdog import RENEW_LUA, StallRule, Watchdog, renewal_client
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     LOCK_ACQUIRE_SECONDS,
@@ -113,9 +117,9 @@ class AccountLock:
     Use as a context manager (blocking up to ``wait_timeout``, raising
     :class:`LockNotAcquired`) or call :meth:`acquire` / :meth:`release`. Between them,
     call :meth:`ensure_held` before every side effect and carry :attr:`fence_token` in
-    every state write. Redis clients should have a ``socket_timeout`` (a hung Redis then
-    fails renewals instead of blocking the watchdog); the local deadline protects the
-    holder either way.
+    every state write, and :meth:`progress` whenever work gets done when ``max_stall`` is
+    set. Redis clients should have a ``socket_timeout`` (a hung Redis then fails renewals
+    instead of blocking the watchdog); the local deadline protects the holder either way.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class AccountLock:
         wait_timeout: float = 0.0,
         renewal_redis: redis.Redis | None = None,
         on_lost: Callable[[str], None] | None = None,
+        max_stall: float | None = None,
     ) -> None:
         self.account_id = account_id
         self.ttl_ms = ttl_ms
@@ -150,6 +155,8 @@ class AccountLock:
         self._token: str | None = None
         self._deadline = 0.0
         self._watchdog: Watchdog | None = None
+        # LOCK_MAX_STALL_SECONDS: how long the holder may go without reporting progress
+        self._stall = StallRule(max_stall, _clock)
         # renewals go through a no-retry client with a short socket timeout; the Runtime
         # shares one per process, a lock built without one makes its own
         renewer = renewal_redis if renewal_redis is not None else renewal_client(redis, ttl_ms)
@@ -188,6 +195,7 @@ class AccountLock:
             self.lost_reason = None
             self.fence_token = None
             self._deadline = granted_at + (self.ttl_ms - self.safety_margin_ms) / 1000
+            self._stall.touch()
         try:
             fence = _fence(self._engine, self.account_id)
         except BaseException:
@@ -267,9 +275,18 @@ class AccountLock:
     # --- holding ----------------------------------------------------------------------
 
     def _renew_tick(self, token: str) -> float | None:
-        """One watchdog step: renew, or mark the lock lost."""
+        """One watchdog step: renew, or mark the lock lost (gone, stolen, unreachable, or
+        its holder stalled)."""
         watchdog = self._watchdog
-        if self._token != token or (watchdog is not None and watchdog.stopped):
+        if self._token != token or self.lost_reason is not None:
+            return None  # released, or lost: once lost, never renewed again
+        if watchdog is not None and watchdog.stopped:
+            return None
+        silent = self._stall.stalled_for()
+        if silent is not None:
+            # no renewal: the key expires within one TTL and the account is free for a holder
+            # that works; this one's writes are fenced out and ensure_held() stops its sends
+            self._mark_lost(token, "stalled", silent_s=round(silent, 3))
             return None
         sent = _clock()
         try:
@@ -297,7 +314,7 @@ class AccountLock:
         self._mark_lost(token, "expired" if result == 0 else "stolen")
         return None
 
-    def _mark_lost(self, token: str, reason: str) -> None:
+    def _mark_lost(self, token: str, reason: str, **detail: object) -> None:
         with self._state:
             if self._token != token or self.lost_reason is not None:
                 return
@@ -306,13 +323,22 @@ class AccountLock:
                 self._watchdog.stop()
         LOCK_LOST.labels(reason).inc()
         log.warning(
-            "lock_lost", account_id=self.account_id, reason=reason, fence_token=self.fence_token
+            "lock_lost",
+            account_id=self.account_id,
+            reason=reason,
+            fence_token=self.fence_token,
+            **detail,
         )
         if self._on_lost is not None:
             try:
                 self._on_lost(reason)
             except Exception:
                 log.exception("lock_on_lost_failed", account_id=self.account_id)
+
+    def progress(self) -> None:
+        """The holder got something done: its lock is renewed for another ``max_stall``.
+        No network round trip; safe to call at any time (a no-op when not held)."""
+        self._stall.touch()
 
     def ensure_held(self) -> None:
         """Raise :class:`LockLost` unless the lock is still ours. No network round trip.

@@ -1,5 +1,6 @@
 """Lock renewal: a background thread that stops the moment it is told to (an Event, never a
-sleep), the owner-checked renewal script and the client that runs it."""
+sleep), the owner-checked renewal script and the client that runs it, and the stall rule that
+tells it when to stop renewing for a holder that no longer makes progress."""
 
 from __future__ import annotations
 
@@ -43,6 +44,35 @@ def renewal_client(client: redis.Redis, ttl_ms: int) -> redis.Redis:
     return redis.Redis(
         connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
     )
+
+
+class StallRule:
+    """When the holder last reported progress, and whether it has stalled.
+
+    The holder calls :meth:`touch` whenever it gets something done (a claim, an item, a
+    request about to leave, a recorded chunk); the watchdog asks :meth:`stalled_for` before
+    each renewal. A holder silent for ``max_stall`` seconds is blocked somewhere (a statement
+    waiting on a lock, a hung connection): renewing its lock would keep the account from
+    everyone for as long as it stays blocked. ``max_stall`` None: the rule is off.
+    """
+
+    def __init__(self, max_stall: float | None, clock: Callable[[], float]) -> None:
+        if max_stall is not None and max_stall <= 0:
+            raise ValueError("max_stall must be > 0 (or None: off)")
+        self.max_stall = max_stall
+        self._clock = clock
+        self._last = clock()
+
+    def touch(self) -> None:
+        """The holder made progress now (one float store: safe from any thread)."""
+        self._last = self._clock()
+
+    def stalled_for(self) -> float | None:
+        """Seconds since the last progress when that is ``max_stall`` or more, else None."""
+        if self.max_stall is None:
+            return None
+        silent = self._clock() - self._last
+        return silent if silent >= self.max_stall else None
 
 
 Tick = Callable[[], float | None]

@@ -18,7 +18,12 @@ from payment_worker.embedded import EmbeddedError
 from payment_worker.settings import SettingsError
 from payment_worker.worker.celery_config import build_config
 
-app = Celery("payment_worker", include=["payment_worker.worker.tasks"])
+# imported by every worker (and beat): the tasks, and the receivers that run the sweeper
+# thread beside the task slots (named here, not imported: no import cycle)
+app = Celery(
+    "payment_worker",
+    include=["payment_worker.worker.tasks", "payment_worker.worker.lifecycle"],
+)
 
 
 def _config() -> dict[str, Any]:

@@ -6,6 +6,11 @@ they leave a "work waiting" mark and end, and the holder, before it stops, sees 
 drains again. Items not yet due (backoff) are waited for briefly under the lock, or handed to
 one delayed message per account.
 
+The holder reports progress to its lock at each claim, each request about to leave, each
+item and each recorded chunk (and while it waits for a retry under the lock): a holder
+that reports nothing for ``LOCK_MAX_STALL_SECONDS`` is blocked somewhere, and its watchdog
+lets the lock expire so that another worker takes the account over behind the fence.
+
 The loop (:class:`Drainer`) talks to the database, the lock, the gateway and the queue only
 through the interfaces of :mod:`payment_worker.worker.ports`; :func:`drainer_for` wires it
 to a process's :class:`~payment_worker.runtime.Runtime`.
@@ -43,8 +48,8 @@ from payment_worker.ops.metrics import (
     TRANSACTIONS_FINISHED,
 )
 from payment_worker.runtime import Runtime
-from payment_worker.worker.ports import AccountQueue, Gateway, HeldLock, WorkStore
-from payment_worker.worker.queueing import RedisAccountQueue
+from payment_worker.worker.ports import AccountQueue, Gateway, Guard, HeldLock, WorkStore
+from payment_worker.worker.queueing import RedisAccountQueue, clear_schedule
 
 log = get_logger("processing")
 
@@ -145,6 +150,7 @@ class Drainer:
                 while True:
                     lock.ensure_held()
                     items = store.claim_due(account_id, token, limits.chunk_size)
+                    lock.progress()
                     if items:
                         self._process_chunk(store, lock, token, items, report)
                         # items are claimed in batch order: a batch followed by another in this
@@ -180,6 +186,7 @@ class Drainer:
         end = self._clock() + max(seconds, 0.0)
         while True:
             lock.ensure_held()
+            lock.progress()  # waiting on purpose, for a bounded time, is not a stall
             left = end - self._clock()
             if left <= 0:
                 return
@@ -194,15 +201,18 @@ class Drainer:
         report: DrainReport,
     ) -> None:
         outcomes: list[ItemOutcome] = []
+        guard = _progress_guard(lock)
         try:
             for item in items:
-                outcomes.append(self._process_item(lock, item))
+                outcomes.append(self._process_item(guard, item))
+                lock.progress()
         finally:
             # what was learnt is written even when the lock was lost mid-chunk: the write is
             # fenced, so it lands only if no newer holder exists; items left "dispatching" are
             # looked up by the next holder before any resend
             if outcomes:
                 store.record_outcomes(report.account_id, token, outcomes)
+                lock.progress()
                 report.items += len(outcomes)
                 report.result = "processed"
                 for d in (o.decision for o in outcomes):
@@ -214,7 +224,7 @@ class Drainer:
                     else:
                         TRANSACTION_RETRIES.labels(d.status).inc()
 
-    def _process_item(self, lock: HeldLock, item: ClaimedItem) -> ItemOutcome:
+    def _process_item(self, guard: Guard, item: ClaimedItem) -> ItemOutcome:
         request = PaymentRequest(
             account_id=item.account_id,
             transaction_id=item.transaction_id,
@@ -236,11 +246,10 @@ class Drainer:
             return ItemOutcome(item.id, attempts, lookups, d)
         policy = self._policy
         cleared = False  # a lookup of this step proved the earlier sends never applied
-        # ensure_held() runs inside the client right before each send (after any pacing wait)
+        # the guard (ensure_held(), then progress) runs inside the client right before each
+        # send, after any token or pacing wait
         if item.status is TxStatus.UNKNOWN:
-            found = self._gateway.lookup_payment(
-                item.account_id, item.idempotency_key, guard=lock.ensure_held
-            )
+            found = self._gateway.lookup_payment(item.account_id, item.idempotency_key, guard=guard)
             lookups += found.sent  # a lookup that never left uses up nothing
             LOOKUPS.labels(found.outcome.value).inc()
             d = after_lookup(
@@ -255,15 +264,13 @@ class Drainer:
             cleared = True
             attempts += 1  # never applied: send again under the same key
         result = self._gateway.create_payment(
-            item.account_id, request, item.idempotency_key, guard=lock.ensure_held
+            item.account_id, request, item.idempotency_key, guard=guard
         )
         if not result.sent:
             attempts -= 1  # counted at the claim (or above), but nothing left
         if result.outcome is Outcome.CONFLICT:
             # 422: the gateway holds an answer under this key; what it holds decides
-            found = self._gateway.lookup_payment(
-                item.account_id, item.idempotency_key, guard=lock.ensure_held
-            )
+            found = self._gateway.lookup_payment(item.account_id, item.idempotency_key, guard=guard)
             lookups += found.sent
             LOOKUPS.labels(found.outcome.value).inc()
             d = after_conflict(
@@ -272,6 +279,17 @@ class Drainer:
             return ItemOutcome(item.id, attempts, lookups, d)
         d = after_send(result, attempts=attempts, lookups=lookups, policy=policy, cleared=cleared)
         return ItemOutcome(item.id, attempts, lookups, d)
+
+
+def _progress_guard(lock: HeldLock) -> Guard:
+    """The check before each send: the lock must still be ours; a request about to leave
+    is progress (a holder only waiting on the gateway's pacing or token is never stalled)."""
+
+    def guard() -> None:
+        lock.ensure_held()
+        lock.progress()
+
+    return guard
 
 
 def drainer_for(rt: Runtime) -> Drainer:
@@ -296,12 +314,19 @@ def run_account(account_id: str, batch_id: str, rt: Runtime) -> DrainReport:
     return drainer_for(rt).run_account(account_id, batch_id)
 
 
-def run_batch_task(batch_id: str, rt: Runtime) -> DrainReport:
-    """The body of the ``process_account_batch`` task."""
+def run_batch_task(
+    batch_id: str, rt: Runtime, *, scheduled_due_ms: int | None = None
+) -> DrainReport:
+    """The body of the ``process_account_batch`` task; ``scheduled_due_ms``: the message is
+    the account's delayed one (:func:`~payment_worker.worker.queueing.schedule`)."""
     with rt.engine.connect() as conn:
         account_id = account_of_batch(conn, batch_id)
     if account_id is None:
         log.warning("batch_missing", batch_id=batch_id)
         TASK_EXECUTIONS.labels("missing").inc()
         return DrainReport(account_id="", result="missing")
+    if scheduled_due_ms is not None:
+        # before draining: what this drain (or the holder it marks) schedules next must find
+        # no marker of a message that has already arrived
+        clear_schedule(rt, account_id, scheduled_due_ms)
     return run_account(account_id, batch_id, rt)

@@ -59,6 +59,11 @@ class HeldLock(Protocol):
         """Raise :class:`~payment_worker.errors.LockLost` unless the lock is still ours."""
         ...
 
+    def progress(self) -> None:
+        """The holder got something done; a holder that reports nothing for
+        ``LOCK_MAX_STALL_SECONDS`` loses its lock (the watchdog stops renewing it)."""
+        ...
+
     def release(self) -> bool:
         """Give the lock back (owner-checked)."""
         ...

@@ -7,6 +7,9 @@ neither the tasks module nor anything that imports it (no import cycle).
 
 from __future__ import annotations
 
+from typing import Any
+
+from payment_worker import lua
 from payment_worker.ops.logging import get_logger
 from payment_worker.runtime import Runtime
 from payment_worker.worker.celery_app import app
@@ -16,17 +19,33 @@ log = get_logger("queueing")
 PROCESS_TASK = "payment_worker.process_account_batch"
 SWEEP_TASK = "payment_worker.sweep"
 PAYMENTS_QUEUE = "payments"
+# the keyword argument of a delayed message: the due time its marker holds (ms, Redis clock)
+SCHEDULED_DUE_KWARG = "scheduled_due_ms"
+# a scheduled marker outlives its message's due time by this much (a lost delayed message
+# blocks no reschedule for longer; the sweeper covers it)
+SCHEDULE_SLACK_MS = 5000
+
+# KEYS = [the account's scheduled marker]; headers in the files
+_CLAIM_LUA = lua.load("schedule_claim")
+_CLEAR_LUA = lua.load("schedule_clear")
 
 
-def enqueue_batch(batch_id: str, countdown: float | None = None) -> None:
-    """Publish one ``process_account_batch`` message carrying only the batch id.
+def enqueue_batch(
+    batch_id: str, countdown: float | None = None, *, scheduled_due_ms: int | None = None
+) -> None:
+    """Publish one ``process_account_batch`` message carrying only the batch id (and, for a
+    delayed message of :func:`schedule`, the due time of its marker as a keyword argument).
 
     Raises the broker's error when it is unreachable; callers that have persisted the batch
     already may ignore it, because the sweeper enqueues pending batches.
     """
+    kwargs: dict[str, Any] = {}
+    if scheduled_due_ms is not None:
+        kwargs[SCHEDULED_DUE_KWARG] = scheduled_due_ms
     app.send_task(
         PROCESS_TASK,
         args=[batch_id],
+        kwargs=kwargs or None,
         queue=PAYMENTS_QUEUE,
         routing_key=PAYMENTS_QUEUE,
         countdown=countdown,
@@ -45,20 +64,37 @@ def hand_off(account_id: str, batch_id: str) -> None:
 
 
 def schedule(rt: Runtime, account_id: str, batch_id: str, wait: float) -> float:
-    """One delayed message per account for work that is not due yet; returns the countdown."""
+    """One delayed message per account for work that is not due yet; returns the countdown.
+
+    The account's ``scheduled`` marker holds the due time of the message on its way. A
+    message due no later makes this one unnecessary; a later one is replaced: the marker
+    takes the earlier due time and this message is published, so a retry runs after its
+    own backoff, never after a longer one scheduled before it (the later message then runs
+    anyway, finds nothing due or drains, and leaves the marker alone). The task of a delayed
+    message clears the marker when it runs (:func:`clear_schedule`).
+    """
     # a countdown must stay below the broker's visibility timeout (or the message would be
     # redelivered while still waiting); if a Retry-After is longer, the task runs early, finds
     # nothing due and schedules again
     wait = min(max(wait, 0.0), rt.settings.visibility_timeout * 0.5)
     marker = rt.keys.scheduled(account_id)
-    # the marker outlives the countdown a little; the sweeper covers a lost delayed message
-    if rt.redis.set(marker, batch_id, nx=True, px=int((wait + 5.0) * 1000)):
+    claim = rt.redis.register_script(_CLAIM_LUA)
+    # the marker outlives the due time a little; the sweeper covers a lost delayed message
+    created, due = claim(keys=[marker], args=[int(wait * 1000), batch_id, SCHEDULE_SLACK_MS])
+    if created == 1:
         try:
-            enqueue_batch(batch_id, countdown=wait or None)
+            enqueue_batch(batch_id, countdown=wait or None, scheduled_due_ms=int(due))
         except Exception as exc:
-            rt.redis.delete(marker)
+            clear_schedule(rt, account_id, int(due))
             log.warning("schedule_failed", account_id=account_id, error=repr(exc))
     return wait
+
+
+def clear_schedule(rt: Runtime, account_id: str, due_ms: int) -> bool:
+    """The delayed message due at ``due_ms`` has arrived: clear the account's marker if it
+    is still that message's (an earlier one may have replaced it). True when cleared."""
+    clear = rt.redis.register_script(_CLEAR_LUA)
+    return bool(clear(keys=[rt.keys.scheduled(account_id)], args=[str(due_ms)]) == 1)
 
 
 class RedisAccountQueue:

@@ -6,11 +6,29 @@ whose lock is free, and enqueues one of their batches: this covers messages the 
 delayed message lost with its worker, and items left ``dispatching``/``unknown`` by a crash.
 Those in-doubt items are resolved by lookup by the next lock holder, under the account lock
 and its fencing token, never by the sweeper itself, so even repair cannot race a holder.
+
+It also finds accounts with a batch left not completed although all its items are terminal
+(a drain that ended by lock loss, fencing or a crash right after a full last chunk) and
+enqueues them the same way: the holder that message starts completes the batch under its
+fence. The sweeper writes no row of its own, so every state write stays fenced.
+
+Where it runs: a :class:`SweeperThread` in every worker process (started by
+:mod:`payment_worker.worker.lifecycle`), beside the task slots. A sweep sent as a message
+would wait behind the payments backlog and every busy slot, exactly when repair matters
+most; a thread needs neither a queue nor a free slot. Each thread ticks every
+``SWEEPER_INTERVAL``; the first to take the interval's ``sweeper:tick`` key sweeps
+(:func:`sweep_if_due`), so the fleet sweeps about once per interval however many processes
+run, and the sweeper lock still keeps two passes from overlapping. Beat's periodic ``sweep``
+message stays as a fallback through the same gate.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import LockError
@@ -25,8 +43,57 @@ from payment_worker.worker.queueing import enqueue_batch
 log = get_logger("sweeper")
 
 
+def sweep_if_due(res: Runtime) -> dict[str, Any]:
+    """One pass, unless another process has already taken this interval's: at most about
+    one sweep per ``SWEEPER_INTERVAL`` across the fleet. ``{"result": "not_due"}`` then."""
+    s = res.settings
+    # a little under the interval: the next tick of a process that swept finds it free
+    taken = res.redis.set(
+        res.keys.sweeper_tick(), os.getpid(), nx=True, px=max(1, int(s.sweeper_interval * 800))
+    )
+    if not taken:
+        return {"result": "not_due"}
+    return run_sweep(res)
+
+
+class SweeperThread(threading.Thread):
+    """Sweeps (:func:`sweep_if_due`) every ``interval`` seconds in a worker process.
+
+    A daemon thread beside the task slots, so the repair path runs on time under any
+    backlog. ``current`` gives the process's runtime at each tick. :meth:`stop` wakes it at
+    once; a pass in progress finishes (it is bounded by the database timeouts).
+    """
+
+    def __init__(self, current: Callable[[], Runtime], interval: float) -> None:
+        super().__init__(name="pw-sweeper", daemon=True)
+        self._current = current
+        self._interval = interval
+        self._stopping = threading.Event()
+        self.passes = 0  # ticks that took their interval and ran (or tried) a pass
+
+    def run(self) -> None:
+        # a random phase, then every interval (+-10 %): processes started together spread out
+        delay = random.uniform(0.0, self._interval)
+        while not self._stopping.wait(delay):
+            delay = self._interval * random.uniform(0.9, 1.1)
+            try:
+                result = sweep_if_due(self._current())
+            except Exception:
+                # the next tick tries again; a thread that died would end the repair for good
+                log.exception("sweeper_thread_tick_failed")
+                continue
+            if result["result"] != "not_due":
+                self.passes += 1
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop ticking; wait up to ``timeout`` seconds for a pass in progress."""
+        self._stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+
+
 def run_sweep(res: Runtime) -> dict[str, Any]:
-    """One sweeper pass, under a Redis lock so two beats never overlap; returns a summary."""
+    """One sweeper pass, under a Redis lock so two passes never overlap; returns a summary."""
     s = res.settings
     # redis-py's Lock: owner token, Lua release; the timeout bounds a crashed sweeper
     guard = res.redis.lock(
@@ -51,6 +118,12 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     s = res.settings
     with res.engine.connect() as conn:
         stalled = repo.stalled_accounts(conn, s.sweeper_stale_after)
+        seen = {acct.account_id for acct in stalled}
+        stalled += [
+            acct
+            for acct in repo.uncompleted_batch_accounts(conn, s.sweeper_stale_after)
+            if acct.account_id not in seen
+        ]
     requeued: list[str] = []
     busy = 0
     for acct in stalled:
@@ -75,6 +148,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
             account_id=acct.account_id,
             batch_id=acct.batch_id,
             in_doubt=acct.in_doubt,
+            uncompleted=acct.uncompleted,
         )
     SWEEPS.labels("ok").inc()
     return {"result": "ok", "stalled": len(stalled), "busy": busy, "reenqueued": requeued}

@@ -6,16 +6,25 @@ from payment_worker import runtime
 from payment_worker.worker.celery_app import app
 from payment_worker.worker.drain import run_batch_task
 from payment_worker.worker.queueing import PROCESS_TASK, SWEEP_TASK
-from payment_worker.worker.sweeper import run_sweep
+from payment_worker.worker.sweeper import sweep_if_due
 
 
 @app.task(name=PROCESS_TASK, bind=False)
-def process_account_batch(batch_id: str) -> None:
-    """Take one account's batch through the state machine (queue ``payments``)."""
-    run_batch_task(batch_id, runtime.current())
+def process_account_batch(batch_id: str, scheduled_due_ms: int | None = None) -> None:
+    """Take one account's batch through the state machine (queue ``payments``).
+
+    ``batch_id`` is the one positional argument producers and ops send. A delayed message
+    of the drain loop also carries ``scheduled_due_ms`` (its marker's due time), so that its
+    run clears the account's ``scheduled`` marker. (During a rolling upgrade a worker of an
+    older version fails such a message, unexpected keyword: the sweeper re-enqueues the
+    account once it is stale.)
+    """
+    run_batch_task(batch_id, runtime.current(), scheduled_due_ms=scheduled_due_ms)
 
 
 @app.task(name=SWEEP_TASK)
 def sweep() -> None:
-    """Beat's periodic repair: re-enqueue stalled batches, resolve stuck items."""
-    run_sweep(runtime.current())
+    """Beat's periodic repair, a fallback: every worker process sweeps in its own thread
+    (worker/lifecycle.py); through the same gate, so the fleet sweeps about once per
+    SWEEPER_INTERVAL either way."""
+    sweep_if_due(runtime.current())

@@ -248,3 +248,51 @@ def test_a_failed_publish_leaves_no_marker_so_the_next_sweep_retries(
     # with the broker back, the very next sweep repairs it (no stale period lost)
     assert run_sweep(srt)["reenqueued"] == ["b-1"]
     assert broker_messages(pw_env) == ["b-1"]
+
+
+def test_a_batch_left_processing_with_every_item_terminal_is_completed(
+    gateway_sim: SimHandle,
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from payment_worker.db.fences import next_fence_token
+    from payment_worker.worker import drain
+
+    # the batch's last chunk is exactly full, and the drain ends right after recording it:
+    # another holder took the account over (it "crashes" before doing anything)
+    monkeypatch.setattr(srt.settings, "process_chunk_size", 3)
+    _save("b-full", "acct-1", srt, n=3)
+    real_record = repo.record_outcomes
+
+    def record_then_taken_over(*args: Any) -> int:
+        changed = real_record(*args)
+        with srt.engine.begin() as conn:
+            next_fence_token(conn, "acct-1")
+        return changed
+
+    monkeypatch.setattr(repo, "record_outcomes", record_then_taken_over)
+    report = drain.run_account("acct-1", "b-full", srt)
+    monkeypatch.setattr(repo, "record_outcomes", real_record)
+    assert report.result == "fenced_out" and report.items == 3
+    batch = "SELECT status, succeeded_count FROM batches WHERE batch_id = 'b-full'"
+    assert db_conn.execute(batch).fetchone() == ("processing", 0)
+    statuses = db_conn.execute("SELECT DISTINCT status FROM transactions").fetchall()
+    assert statuses == [("succeeded",)]
+    # no due item is left: only the sweeper can see it, once nothing was written for a while
+    assert run_sweep(srt) == {"result": "ok", "stalled": 0, "busy": 0, "reenqueued": []}
+    _age(db_conn)
+    assert run_sweep(srt) == {"result": "ok", "stalled": 1, "busy": 0, "reenqueued": ["b-full"]}
+    # it never writes a batch row itself: the holder its message starts completes it
+    assert db_conn.execute(batch).fetchone() == ("processing", 0)
+    assert broker_messages(pw_env) == ["b-full"]
+    assert drain.run_account("acct-1", "b-full", srt).result == "idle"
+    assert db_conn.execute(batch).fetchone() == ("completed", 3)
+    assert gateway_sim.ledger()["payments_sent"] == 3  # nothing sent again
+    # done: the next passes find nothing; a batch with open items is not "uncompleted"
+    _save("b-open", "acct-2", srt)
+    _age(db_conn)
+    with srt.engine.connect() as conn:
+        assert repo.uncompleted_batch_accounts(conn, STALE) == []
+        assert [a.batch_id for a in repo.stalled_accounts(conn, STALE)] == ["b-open"]

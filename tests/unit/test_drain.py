@@ -7,7 +7,9 @@ was sent, what was written and what was put on the queue.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -374,3 +376,27 @@ def test_an_html_200_is_looked_up_not_believed(w: World) -> None:
     w.run()
     assert w.gateway.calls == [("create", row.key), ("lookup", row.key)]
     assert row.status is TxStatus.SUCCEEDED and w.gateway.paid[row.key] == 1
+
+
+def test_the_holder_reports_progress_between_any_two_steps(w: World) -> None:
+    # every step takes time: a claim 0.3 s, a request 1 s, a record 0.5 s
+    # in doubt: a lookup (404) then a send each, two requests per item
+    w.store.add(ACCT, 1, 5, status=TxStatus.UNKNOWN, attempts=1)
+    w.store.add(ACCT, 2, 4)
+    w.chunk_size = 3
+    for name, seconds in (("claim_due", 0.3), ("record_outcomes", 0.5)):
+        real = getattr(w.store, name)
+
+        def slow(*args: object, _real: Any = real, _s: float = seconds) -> Any:
+            w.clock.sleep(_s)
+            return _real(*args)
+
+        setattr(w.store, name, slow)
+    w.gateway.on_call = lambda kind, key: w.clock.sleep(1.0)
+    start = w.clock()
+    w.run()
+    assert w.store.statuses() == {"succeeded": 9} and len(w.gateway.calls) == 14
+    [lock] = w.locks
+    reports = [start, *lock.progress_at, w.clock()]
+    # the longest silence is one step: never a whole item, let alone a chunk
+    assert max(b - a for a, b in itertools.pairwise(reports)) <= 1.0

@@ -39,6 +39,8 @@ def test_the_scripts_are_there() -> None:
         "lock_wait",
         "pace_acquire",
         "pace_cooldown",
+        "schedule_claim",
+        "schedule_clear",
         "token_release",
         "token_store",
     ]

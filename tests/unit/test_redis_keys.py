@@ -29,6 +29,7 @@ def test_every_key_format_is_pinned() -> None:
     assert k.scheduled("acct-1") == "pw:scheduled:{acct-1}"
     assert k.swept("acct-1") == "pw:swept:{acct-1}"
     assert k.sweeper_lock() == "pw:sweeper"
+    assert k.sweeper_tick() == "pw:sweeper:tick"
     assert k.submit_dedup("b-1") == "pw:submit:b-1"
 
 

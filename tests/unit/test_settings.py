@@ -62,3 +62,19 @@ def test_rate_override(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Settings()
     assert s.rate_for("acct-1") == 5
     assert s.rate_for("acct-2") == s.gateway_rate_per_second
+
+
+def test_the_stall_bound_stays_above_a_holder_waiting_on_the_gateway() -> None:
+    assert Settings().gateway_quiet_max_seconds == 27.0  # 10 + 2 x (2 + 5) + 3
+    assert Settings(lock_max_stall_seconds=27.5).lock_max_stall_seconds == 27.5
+    with pytest.raises(ValidationError, match="LOCK_MAX_STALL_SECONDS must be above"):
+        Settings(lock_max_stall_seconds=27.0)
+    with pytest.raises(ValidationError, match="LOCK_MAX_STALL_SECONDS must be above"):
+        Settings(gateway_pacing_max_wait=200.0)  # the default stall bound is now too short
+    quick = Settings(
+        gateway_pacing_max_wait=0.1,
+        gateway_connect_timeout=0.1,
+        gateway_read_timeout=0.2,
+        lock_max_stall_seconds=4.0,
+    )
+    assert quick.gateway_quiet_max_seconds == pytest.approx(3.7)

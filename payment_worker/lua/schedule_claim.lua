@@ -1,0 +1,32 @@
+-- schedule_claim: keep the account's one delayed message, and keep the earliest one.
+--
+-- KEYS[1]  the account's scheduled marker ({prefix}:scheduled:{acct}): a hash with `due`
+--          (ms, Redis server clock) and `batch` (the batch id its message carries)
+-- ARGV[1]  the new message's delay, ms from now
+-- ARGV[2]  the batch id it would carry
+-- ARGV[3]  how long the marker outlives its due time, ms
+--
+-- Returns {1, due}: the marker now holds this due time, the caller publishes the message
+-- (carrying `due`, so that its task clears the marker when it runs); {0, due}: a message
+-- due no later is already on its way (its due time), nothing to publish. A later message
+-- is replaced by an earlier one: a retry runs after its own backoff, not after the longest
+-- one scheduled before it. A string marker comes from a version without due times (value:
+-- a batch id, expiring 5 s after its message was due).
+-- #include now_ms
+local now = now_ms()
+local due = now + tonumber(ARGV[1])
+local kind = redis.call('TYPE', KEYS[1]).ok
+local cur = nil
+if kind == 'hash' then
+  cur = tonumber(redis.call('HGET', KEYS[1], 'due'))
+elseif kind == 'string' then
+  local left = redis.call('PTTL', KEYS[1])
+  if left >= 0 then cur = now + math.max(left - 5000, 0) end
+end
+if cur and cur <= due then
+  return {0, cur}
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'due', string.format('%d', due), 'batch', ARGV[2])
+redis.call('PEXPIREAT', KEYS[1], due + tonumber(ARGV[3]))
+return {1, due}

@@ -1,0 +1,43 @@
+"""The connection limits every engine of the Runtime starts with (db/engine.py), no server."""
+
+from __future__ import annotations
+
+from payment_worker.db.engine import ConnectionLimits
+from payment_worker.settings import Settings
+
+URL = "postgresql+psycopg://u@db.example:5432/pw"
+
+
+def test_the_settings_become_libpq_parameters() -> None:
+    limits = ConnectionLimits.from_settings(Settings())
+    assert limits.connect_args(URL) == {
+        "connect_timeout": 10,
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 60000,
+        # at connect time, never a session SET (a transaction pooler would leak it)
+        "options": "-c statement_timeout=30000 -c lock_timeout=10000",
+    }
+
+
+def test_options_of_the_url_are_kept_and_zero_is_not_sent() -> None:
+    limits = ConnectionLimits(statement_timeout_ms=500, lock_timeout_ms=0, tcp_user_timeout_ms=0)
+    args = limits.connect_args(URL + "?options=-c%20search_path%3Dpw")
+    assert args["options"] == "-c search_path=pw -c statement_timeout=500"
+    assert "tcp_user_timeout" not in args
+    # nothing to send: the server's (or the role's) values hold, the URL's options untouched
+    assert "options" not in ConnectionLimits().connect_args(URL)
+
+
+def test_every_setting_is_read() -> None:
+    s = Settings(
+        db_statement_timeout_ms=1234,
+        db_lock_timeout_ms=99,
+        db_keepalives_idle=7,
+        db_keepalives_interval=3,
+        db_keepalives_count=2,
+        db_tcp_user_timeout_ms=5000,
+    )
+    assert ConnectionLimits.from_settings(s) == ConnectionLimits(1234, 99, 7, 3, 2, 5000)
