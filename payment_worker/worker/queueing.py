@@ -24,6 +24,10 @@ SCHEDULED_DUE_KWARG = "scheduled_due_ms"
 # a scheduled marker outlives its message's due time by this much (a lost delayed message
 # blocks no reschedule for longer; the sweeper covers it)
 SCHEDULE_SLACK_MS = 5000
+# a new delayed message replaces the one on its way only when due this much earlier: two
+# reschedules for the same item (their delays differ by the time between the readings) must
+# not publish twice
+SCHEDULE_EARLIER_BY_MS = 1000
 
 # KEYS = [the account's scheduled marker]; headers in the files
 _CLAIM_LUA = lua.load("schedule_claim")
@@ -67,9 +71,10 @@ def schedule(rt: Runtime, account_id: str, batch_id: str, wait: float) -> float:
     """One delayed message per account for work that is not due yet; returns the countdown.
 
     The account's ``scheduled`` marker holds the due time of the message on its way. A
-    message due no later makes this one unnecessary; a later one is replaced: the marker
-    takes the earlier due time and this message is published, so a retry runs after its
-    own backoff, never after a longer one scheduled before it (the later message then runs
+    message due no later (or less than ``SCHEDULE_EARLIER_BY_MS`` later) makes this one
+    unnecessary; a later one is replaced: the marker takes the earlier due time and this
+    message is published, so a retry runs after its own backoff, never after a longer one
+    scheduled before it (the later message then runs
     anyway, finds nothing due or drains, and leaves the marker alone). The task of a delayed
     message clears the marker when it runs (:func:`clear_schedule`).
     """
@@ -80,7 +85,10 @@ def schedule(rt: Runtime, account_id: str, batch_id: str, wait: float) -> float:
     marker = rt.keys.scheduled(account_id)
     claim = rt.redis.register_script(_CLAIM_LUA)
     # the marker outlives the due time a little; the sweeper covers a lost delayed message
-    created, due = claim(keys=[marker], args=[int(wait * 1000), batch_id, SCHEDULE_SLACK_MS])
+    created, due = claim(
+        keys=[marker],
+        args=[int(wait * 1000), batch_id, SCHEDULE_SLACK_MS, SCHEDULE_EARLIER_BY_MS],
+    )
     if created == 1:
         try:
             enqueue_batch(batch_id, countdown=wait or None, scheduled_due_ms=int(due))

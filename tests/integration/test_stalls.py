@@ -166,11 +166,13 @@ def test_the_watchdog_keeps_a_lock_that_progresses_and_drops_a_silent_one(
         time.sleep(0.05)
     assert lost == [] and redis_client.exists(lock.key)
     before = _lost("stalled")
+    lock.progress()  # the last report: silent from now on
     silent_from = time.monotonic()
     _wait_until(lambda: lost != [], 3, "the watchdog to give up")
     gave_up_after = time.monotonic() - silent_from
     assert lost == ["stalled"] and _lost("stalled") == before + 1
-    assert max_stall <= gave_up_after <= max_stall + ttl_ms / 3000 + 0.2, gave_up_after
+    # at the first tick after the bound (TTL/3 apart), plus scheduling slack
+    assert max_stall <= gave_up_after <= max_stall + ttl_ms / 3000 + 0.5, gave_up_after
     # no longer renewed: the key expires within one TTL and another worker gets the account
     _wait_until(lambda: not redis_client.exists(lock.key), ttl_ms / 1000 + 0.2, "expiry")
     assert rival.acquire()
@@ -226,7 +228,7 @@ def test_a_holder_blocked_in_postgres_is_taken_over_behind_the_fence(
         _wait_until(lambda: waiting_on_locks() == 1, 5, "the first holder to block")
         # silent for LOCK_MAX_STALL_SECONDS: no renewal, and the key expires within one TTL
         _wait_until(lambda: _lost("stalled") == before + 1, 3, "the watchdog to give up")
-        assert time.monotonic() - started <= 1.0 + 0.2 + 0.5
+        assert time.monotonic() - started <= 1.0 + 0.2 + 1.0  # stall + TTL/3 + slack
         _wait_until(lambda: not lock_is_held(rt.redis, ACCT), 1.0, "the lock to expire")
         assert threads[0].is_alive()  # still blocked in its statement
         # another worker takes the account: a newer fencing token while the first waits
