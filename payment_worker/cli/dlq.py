@@ -31,6 +31,7 @@ from sqlalchemy import Connection
 from payment_worker import embedded, runtime
 from payment_worker.db import dead_letters as store
 from payment_worker.domain.statuses import DeadReason
+from payment_worker.errors import PaymentWorkerError
 from payment_worker.runtime import Runtime
 from payment_worker.settings import load_settings
 
@@ -43,7 +44,7 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class BadInput(Exception):
+class BadInput(PaymentWorkerError):
     """One line for on-call; exit code 2, nothing changed."""
 
 
