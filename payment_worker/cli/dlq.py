@@ -438,7 +438,7 @@ def resolve_cmd(
         for d in found:
             result = store.resolve(conn, d.id, as_status, note, who)
             if result == store.RESOLVED:
-                DEAD_LETTERS_RESOLVED.labels(d.reason, as_status).inc()
+                DEAD_LETTERS_RESOLVED.labels(d.reason).inc()
                 click.echo(f"{d.id}: resolved as {as_status} by {who}")
             else:
                 failed += 1

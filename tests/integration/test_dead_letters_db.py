@@ -149,3 +149,23 @@ def test_a_task_crash_without_a_batch_is_recorded(rt: runtime.Runtime, db_conn: 
         [d] = dlq.list_dead_letters(c, reason="task_crashed")
         assert d.id == dl_id and d.state == "open"
         assert dlq.replay(c, dl_id, TRUST, "t").result == dlq.NO_TRANSACTION
+
+
+def test_the_state_snapshot_counts_replays_resolutions_and_the_oldest_open(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    from payment_worker.db.reports import state_snapshot
+
+    a = _dead(db_conn, "m1", "retries_exhausted", None)
+    b = _dead(db_conn, "m2", "key_conflict", None)
+    _dead(db_conn, "m3", "key_conflict", None)
+    db_conn.execute("UPDATE dead_letters SET created_at = now() - interval '1 hour'")
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        assert dlq.replay(c, a, TRUST, "t").result == dlq.REPLAYED
+        assert dlq.resolve(c, b, "failed", "declined per gateway", "t") == dlq.RESOLVED
+    with rt.engine.begin() as c:
+        snap = state_snapshot(c, statement_timeout_ms=5000)
+    assert snap.dead_letters_replayed == {"retries_exhausted": 1, "key_conflict": 0}
+    assert snap.dead_letters_resolved == {"retries_exhausted": 0, "key_conflict": 1}
+    assert 3600 <= snap.oldest_open_dead_letter_age < 3700
