@@ -169,3 +169,37 @@ def test_the_state_snapshot_counts_replays_resolutions_and_the_oldest_open(
     assert snap.dead_letters_replayed == {"retries_exhausted": 1, "key_conflict": 0}
     assert snap.dead_letters_resolved == {"retries_exhausted": 0, "key_conflict": 1}
     assert 3600 <= snap.oldest_open_dead_letter_age < 3700
+
+
+def test_the_task_failure_hook_writes_a_task_crashed_dead_letter(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    import sys
+
+    from payment_worker.worker import dlq as hooks
+
+    _dead(db_conn, "crash", "retries_exhausted", None)
+
+    class FakeTask:
+        name = "payment_worker.process_account_batch"
+
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        hooks._on_task_failure(
+            sender=FakeTask(),
+            task_id="t-1",
+            exception=exc,
+            args=["crash"],
+            kwargs={},
+            traceback=sys.exc_info()[2],
+        )
+    row = db_conn.execute(
+        "SELECT d.error_class, d.payload, b.batch_id FROM dead_letters d"
+        " LEFT JOIN batches b ON b.id = d.batch_pk WHERE d.reason = 'task_crashed'"
+    ).fetchone()
+    assert row is not None
+    error_class, payload, batch_id = row
+    assert (error_class, batch_id) == ("ValueError", "crash")
+    assert payload["last_error"] == "boom" and payload["task_id"] == "t-1"
+    assert payload["args"] == ["crash"] and len(payload["traceback_digest"]) > 16
