@@ -27,6 +27,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
 
 from payment_worker import embedded, runtime
 from payment_worker.db import dead_letters as store
@@ -115,6 +116,11 @@ def _guard(cmd: str) -> Callable[[F], F]:
                 _fail(cmd, str(exc))
             except embedded.EmbeddedError as exc:
                 _fail(cmd, str(exc))
+            except SQLAlchemyError as exc:
+                # the database is down or refused: not bad input, and nothing half-done (each
+                # item is one statement)
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                _fail(cmd, f"database error: {first}", 1)
 
         inner.__name__ = f.__name__
         inner.__doc__ = f.__doc__
@@ -349,7 +355,10 @@ def replay_cmd(
                 if d is None:
                     raise BadInput(f"no dead letter {dl_id}")
                 refusal = store.replay_refusal(conn, dl_id, trust)
-                if refusal is not None and refusal.result != store.KEY_EXPIRED:
+                if refusal is not None and refusal.result not in (
+                    store.KEY_EXPIRED,
+                    store.NOT_REPLAYABLE,
+                ):
                     raise BadInput(f"{dl_id}: {refusal.detail}")
                 targets.append(d)
         if not targets:

@@ -27,6 +27,14 @@ from sqlalchemy import Connection, text
 
 TASK_CRASHED = "task_crashed"
 
+# The reasons a replay may act on. key_conflict is never replayed: the gateway holds another
+# request under the key, and the lookup a replay starts with would record that payment as
+# ours. fingerprint_mismatch would only die again (the row no longer matches what was
+# accepted). in_doubt_key_expired is listed but always refused by the key-trust rule (its
+# doubt_since is kept, and it died because it was older than the trust).
+REPLAYABLE_REASONS = ("retries_exhausted", "unknown_unresolved", "in_doubt_key_expired")
+_REPLAYABLE = ", ".join(f"'{r}'" for r in REPLAYABLE_REASONS)
+
 # how a dead letter's state is computed (see the module docstring); ``t`` is its transaction
 _STATE = """CASE WHEN d.resolved_at IS NOT NULL THEN 'resolved'
      WHEN d.transaction_pk IS NULL OR t.status = 'dead' THEN 'open'
@@ -126,13 +134,13 @@ def known_reasons(conn: Connection) -> set[str]:
 # completed batch is reopened so that its counts are written again when it completes.
 # Nothing changes unless the transaction is still dead, this dead letter is its open one, and
 # no send of it has been in doubt for longer than the key trust.
-_REPLAY = text("""
+_REPLAY = text(f"""
 WITH tx AS (
     UPDATE transactions t SET status = 'unknown', attempts = 0, next_attempt_at = now(),
         updated_at = now()
     FROM dead_letters d
     WHERE d.id = :id AND d.transaction_pk = t.id AND d.resolved_at IS NULL
-      AND t.status = 'dead'
+      AND t.status = 'dead' AND d.reason IN ({_REPLAYABLE})
       AND (t.doubt_since IS NULL OR t.doubt_since > now() - make_interval(secs => :trust))
     RETURNING t.id, t.batch_pk, t.account_id
 ),
@@ -155,7 +163,7 @@ SELECT tx.id, tx.account_id, b.batch_id FROM tx JOIN batches b ON b.id = tx.batc
 # why a replay changed nothing (read after the fact, only to explain it)
 _WHY_NOT = text("""
 SELECT d.resolved_at IS NOT NULL AS resolved, d.transaction_pk IS NULL AS no_tx,
-       t.status, t.doubt_since IS NOT NULL
+       d.reason, t.status, t.doubt_since IS NOT NULL
                  AND t.doubt_since <= now() - make_interval(secs => :trust) AS expired
 FROM dead_letters d LEFT JOIN transactions t ON t.id = d.transaction_pk
 WHERE d.id = :id
@@ -167,6 +175,7 @@ NOT_FOUND = "not_found"
 NOT_DEAD = "not_dead"  # resolved, or no longer dead (replayed, or finished)
 KEY_EXPIRED = "key_expired"
 NO_TRANSACTION = "no_transaction"
+NOT_REPLAYABLE = "not_replayable"
 
 WILL_NOT_RESEND = "will not resend: key retention passed, resolve by hand"
 LOOK_UP_FIRST = "look up, then send if the gateway never applied it"
@@ -177,7 +186,7 @@ class ReplayResult:
     """What replaying one dead letter did."""
 
     dead_letter_id: int
-    result: str  # REPLAYED, NOT_FOUND, NOT_DEAD, KEY_EXPIRED, NO_TRANSACTION
+    result: str  # REPLAYED, NOT_FOUND, NOT_DEAD, KEY_EXPIRED, NOT_REPLAYABLE, NO_TRANSACTION
     account_id: str | None = None
     batch_id: str | None = None
     detail: str = ""
@@ -200,6 +209,17 @@ def replay_refusal(
         return ReplayResult(dead_letter_id, NOT_DEAD, detail="already resolved")
     if row.status != "dead":
         return ReplayResult(dead_letter_id, NOT_DEAD, detail=f"no longer dead ({row.status})")
+    if row.reason not in REPLAYABLE_REASONS:
+        why = (
+            "the gateway holds another request under this key, a lookup would take it for ours"
+            if row.reason == "key_conflict"
+            else "the stored row no longer matches what was accepted, it would only die again"
+        )
+        return ReplayResult(
+            dead_letter_id,
+            NOT_REPLAYABLE,
+            detail=f"{row.reason} is never replayed: {why}; resolve by hand",
+        )
     if row.expired:
         return ReplayResult(dead_letter_id, KEY_EXPIRED, detail=WILL_NOT_RESEND)
     return None

@@ -203,3 +203,16 @@ def test_the_task_failure_hook_writes_a_task_crashed_dead_letter(
     assert (error_class, batch_id) == ("ValueError", "crash")
     assert payload["last_error"] == "boom" and payload["task_id"] == "t-1"
     assert payload["args"] == ["crash"] and len(payload["traceback_digest"]) > 16
+
+
+def test_key_conflict_and_fingerprint_mismatch_are_never_replayed(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    a = _dead(db_conn, "kc", "key_conflict", None)
+    b = _dead(db_conn, "fm", "fingerprint_mismatch", None)
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        ra, rb = dlq.replay(c, a, TRUST, "t"), dlq.replay(c, b, TRUST, "t")
+    assert (ra.result, rb.result) == (dlq.NOT_REPLAYABLE, dlq.NOT_REPLAYABLE)
+    assert "resolve by hand" in ra.detail
+    assert _status(db_conn, "kc") == ("dead", 8) and _status(db_conn, "fm") == ("dead", 8)
