@@ -20,6 +20,7 @@ import traceback as tb_mod
 from types import TracebackType
 from typing import Any
 
+from celery import bootsteps
 from celery.signals import task_failure, task_rejected, task_unknown
 
 from payment_worker import runtime
@@ -182,3 +183,31 @@ def _on_task_rejected(message: Any = None, exc: BaseException | None = None, **_
         digest="",
         task_id=str(headers.get("id")) if headers.get("id") else None,
     )
+
+
+class DecodeErrorHook(bootsteps.Step):  # type: ignore[misc]
+    """A consumer step: a message the worker cannot decode (Celery logs it and acks it, no
+    signal) becomes a ``task_crashed`` dead letter before Celery's own handling runs."""
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        original = parent.on_decode_error
+
+        def on_decode_error(message: Any, exc: BaseException) -> Any:
+            headers = dict(getattr(message, "headers", None) or {})
+            body = getattr(message, "body", b"")
+            record_crash(
+                task_name=str(headers.get("task", "undecodable message")),
+                args=[repr(body[:200])],
+                error_class=type(exc).__name__,
+                error=f"message could not be decoded: {exc}",
+                digest="",
+                task_id=str(headers["id"]) if headers.get("id") else None,
+            )
+            return original(message, exc)
+
+        parent.on_decode_error = on_decode_error
+
+
+# the worker builds its consumer after importing the tasks module (which imports this one)
+app.steps["consumer"].add(DecodeErrorHook)

@@ -156,3 +156,29 @@ def test_a_batch_id_that_does_not_exist_is_a_task_crashed_dead_letter(
     assert "task_crashed=1" in out.stdout
     with psycopg.connect(pw_env.database_url) as conn:
         assert conn.execute("SELECT count(*) FROM transactions").fetchone() == (0,)
+
+
+def test_a_message_the_worker_cannot_decode_is_a_task_crashed_dead_letter(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    from kombu import Connection, Exchange, Queue
+
+    with _world(pw_env, tmp_path, {}):
+        with Connection(pw_env.broker_url) as conn:
+            producer = conn.Producer()
+            producer.publish(
+                b"{not json",
+                exchange="payments",
+                routing_key="payments",
+                content_type="application/json",
+                content_encoding="utf-8",
+                serializer=None,
+                headers={},
+                declare=[Queue("payments", Exchange("payments"), routing_key="payments")],
+            )
+        deadline = time.monotonic() + 30
+        while not _open_ids("task_crashed"):
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+    [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
+    assert "could not be decoded" in row["last_error"]
