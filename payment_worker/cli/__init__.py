@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=status.status)
 
     sub.add_parser("gateway-sim", help="run the gateway simulator (see --help)", add_help=False)
+    sub.add_parser(
+        "dlq", help="dead letters: list, show, replay, resolve (see --help)", add_help=False
+    )
 
     dm = sub.add_parser("demo", help="start a worker and beat, process a sample batch file")
     dm.add_argument("file", nargs="?", default=None)
@@ -66,6 +69,11 @@ def _run(args_list: list[str]) -> int:
     if args_list[:1] == ["gateway-sim"]:
         # its flags belong to the simulator's own parser, and it needs no settings
         return dev.gateway_sim(args_list[1:])
+    if args_list[:1] == ["dlq"]:
+        # a click group (also `celery -A payment_worker dlq`): it parses its own arguments
+        from payment_worker.cli import dlq
+
+        return dlq.main(args_list[1:])
     args = build_parser().parse_args(args_list)
     s = load_settings()  # a bad setting fails here, with one line and exit code 2
     if not (args.command == "services" and args.action in ("status", "stop")):

@@ -178,7 +178,9 @@ dead_letters = Table(
     Column("resolved_by", Text),
     Column("resolution_note", Text),
     CheckConstraint(
-        "transaction_pk IS NOT NULL OR batch_pk IS NOT NULL", name="dead_letters_ref_check"
+        # migration 0004: a crashed task's row may name neither (a batch id that does not exist)
+        "transaction_pk IS NOT NULL OR batch_pk IS NOT NULL OR reason = 'task_crashed'",
+        name="dead_letters_ref_check",
     ),
 )
 # at most one open dead letter per transaction

@@ -7,7 +7,7 @@ exporter's gauges. Each function takes a Connection and returns plain data; none
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, text
 
@@ -31,6 +31,14 @@ _TX_STATUSES_OF_BATCHES = text(
 _TX_BY_STATUS = text("SELECT status, count(*) FROM transactions GROUP BY status")
 _BATCHES_BY_STATUS = text("SELECT status, count(*) FROM batches GROUP BY status")
 _OPEN_DEAD_LETTERS = text("SELECT count(*) FROM dead_letters WHERE resolved_at IS NULL")
+# the dlq tooling's totals, by reason: replays (replay_count summed) and resolutions (by hand
+# or by a replay that finished); monotonic as long as dead letters are never deleted
+_DEAD_LETTER_TOTALS = text(
+    "SELECT reason, coalesce(sum(replay_count), 0) AS replayed,"
+    " count(*) FILTER (WHERE resolved_at IS NOT NULL) AS resolved,"
+    " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE resolved_at IS NULL)), 0)"
+    " AS oldest_open FROM dead_letters GROUP BY reason"
+)
 # spelled like the predicate of the partial indexes on open transactions, so they apply
 _OLDEST_OPEN_AGE = text(
     "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0) FROM transactions"
@@ -73,6 +81,10 @@ class StateSnapshot:
     oldest_open_age: (
         float  # seconds since the oldest non-terminal transaction was created; 0 if none
     )
+    # per reason: dead letters replayed (replays counted), resolved, and the oldest open age
+    dead_letters_replayed: dict[str, int] = field(default_factory=dict)
+    dead_letters_resolved: dict[str, int] = field(default_factory=dict)
+    oldest_open_dead_letter_age: float = 0.0
 
 
 def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnapshot:
@@ -84,4 +96,13 @@ def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnaps
     batches = {str(s): int(n) for s, n in conn.execute(_BATCHES_BY_STATUS)}
     dead_open = int(conn.execute(_OPEN_DEAD_LETTERS).scalar_one())
     oldest = float(conn.execute(_OLDEST_OPEN_AGE).scalar_one())
-    return StateSnapshot(tx, batches, dead_open, oldest)
+    totals = conn.execute(_DEAD_LETTER_TOTALS).all()
+    return StateSnapshot(
+        tx,
+        batches,
+        dead_open,
+        oldest,
+        dead_letters_replayed={str(r.reason): int(r.replayed) for r in totals},
+        dead_letters_resolved={str(r.reason): int(r.resolved) for r in totals},
+        oldest_open_dead_letter_age=max((float(r.oldest_open) for r in totals), default=0.0),
+    )

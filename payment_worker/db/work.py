@@ -173,7 +173,19 @@ dead AS (
                               'doubt_since', doubt_since)
     FROM upd WHERE status = 'dead'
     ON CONFLICT (transaction_pk) WHERE resolved_at IS NULL AND transaction_pk IS NOT NULL
-    DO NOTHING
+    -- DLQ hook: a replayed item that dies again updates its open dead letter (the replay
+    -- history in the payload is kept)
+    DO UPDATE SET reason = EXCLUDED.reason, error_class = EXCLUDED.error_class,
+        attempts = EXCLUDED.attempts, payload = dead_letters.payload || EXCLUDED.payload
+),
+replay_done AS (
+    -- DLQ hook: a replayed item that reached succeeded/failed closes its dead letter
+    UPDATE dead_letters d SET resolved_at = now(), resolved_by = 'replay',
+        resolution_note = 'replay ended ' || upd.status,
+        payload = d.payload || jsonb_build_object('replay_result', upd.status)
+    FROM upd
+    WHERE d.transaction_pk = upd.id AND d.resolved_at IS NULL AND d.replay_count > 0
+      AND upd.status IN ('succeeded', 'failed')
 )
 SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok
 """)

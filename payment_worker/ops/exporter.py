@@ -13,12 +13,12 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
 from payment_worker.db.reports import state_snapshot
-from payment_worker.domain.statuses import BatchStatus, TxStatus
+from payment_worker.domain.statuses import BatchStatus, DeadReason, TxStatus
 from payment_worker.ops.logging import get_logger
 
 log = get_logger("exporter")
@@ -58,6 +58,9 @@ class PostgresStateCollector(Collector):
             tx = _zero_filled(state.transactions, TxStatus)
             batches = _zero_filled(state.batches, BatchStatus)
             dead_open, oldest = state.dead_letters_open, state.oldest_open_age
+            reasons = [*(r.value for r in DeadReason), "task_crashed"]
+            replayed = _zero_filled(state.dead_letters_replayed, reasons)
+            resolved = _zero_filled(state.dead_letters_resolved, reasons)
         except Exception as exc:  # any failure is reported as a metric, never as a 500
             log.warning("scrape_failed", error_class=type(exc).__name__, error=str(exc)[:300])
             up.add_metric([], 0)
@@ -79,6 +82,27 @@ class PostgresStateCollector(Collector):
         yield GaugeMetricFamily(
             "pw_dead_letters_open", "Dead letters not yet resolved.", value=dead_open
         )
+        yield GaugeMetricFamily(
+            "pw_oldest_open_dead_letter_age_seconds",
+            "Age of the oldest dead letter not yet resolved (0 if none).",
+            value=state.oldest_open_dead_letter_age,
+        )
+        c = CounterMetricFamily(
+            "pw_dead_letters_replayed",
+            "Dead-letter replays (dlq replay), by reason, from Postgres.",
+            labels=["reason"],
+        )
+        for reason, n in replayed.items():
+            c.add_metric([reason], n)
+        yield c
+        c = CounterMetricFamily(
+            "pw_dead_letters_resolved",
+            "Dead letters resolved (by hand, or by a replay that finished), by reason.",
+            labels=["reason"],
+        )
+        for reason, n in resolved.items():
+            c.add_metric([reason], n)
+        yield c
         yield GaugeMetricFamily(
             "pw_oldest_open_transaction_age_seconds",
             "Age of the oldest transaction not in a terminal state (0 if none).",

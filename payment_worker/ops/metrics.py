@@ -67,6 +67,14 @@ TRANSACTION_RETRIES = Counter(
 )
 LOOKUPS = Counter("pw_gateway_lookups_total", "Lookups of unknown outcomes.", ["result"])
 DEAD_LETTERS = Counter("pw_dead_letters_total", "Dead-letter rows written.", ["reason"])
+# dlq replay/resolve, counted where they run. The dlq command is a short process that serves
+# no /metrics, so the exporter reports the same names from Postgres (the totals that count)
+DEAD_LETTERS_REPLAYED = Counter(
+    "pw_dead_letters_replayed_total", "Dead letters put back by dlq replay.", ["reason"]
+)
+DEAD_LETTERS_RESOLVED = Counter(
+    "pw_dead_letters_resolved_total", "Dead letters resolved by hand.", ["reason"]
+)
 TASK_EXECUTIONS = Counter(
     "pw_task_executions_total", "process_account_batch executions by result.", ["result"]
 )

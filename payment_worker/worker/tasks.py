@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from celery import Task
+
 from payment_worker import runtime
+from payment_worker.worker import dlq  # the crash hooks and the dlq queue's task
 from payment_worker.worker.celery_app import app
 from payment_worker.worker.drain import run_batch_task
 from payment_worker.worker.queueing import PROCESS_TASK, SWEEP_TASK
 from payment_worker.worker.sweeper import sweep_if_due
 
 
-@app.task(name=PROCESS_TASK, bind=False)
-def process_account_batch(batch_id: str, scheduled_due_ms: int | None = None) -> None:
+@app.task(name=PROCESS_TASK, bind=True)
+def process_account_batch(self: Task, batch_id: str, scheduled_due_ms: int | None = None) -> None:
     """Take one account's batch through the state machine (queue ``payments``).
 
     ``batch_id`` is the one positional argument producers and ops send. A delayed message
@@ -19,7 +22,10 @@ def process_account_batch(batch_id: str, scheduled_due_ms: int | None = None) ->
     older version fails such a message, unexpected keyword: the sweeper re-enqueues the
     account once it is stale.)
     """
-    run_batch_task(batch_id, runtime.current(), scheduled_due_ms=scheduled_due_ms)
+    report = run_batch_task(batch_id, runtime.current(), scheduled_due_ms=scheduled_due_ms)
+    if report.result == "missing":
+        # DLQ hook: a batch id that does not exist is a task_crashed dead letter
+        dlq.record_missing_batch(batch_id, self.request.id)
 
 
 @app.task(name=SWEEP_TASK)

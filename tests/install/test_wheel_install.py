@@ -106,6 +106,7 @@ def test_the_wheel_is_not_the_checkout(install: Install) -> None:
         (["db", "upgrade"], "DATABASE_URL"),
         (["services", "start"], "DATABASE_URL"),
         (["sweep"], "DATABASE_URL"),
+        (["dlq", "list"], "DATABASE_URL"),
     ],
 )
 def test_no_url_and_no_extra_is_one_line_and_exit_2(
@@ -129,6 +130,28 @@ def test_celery_worker_without_url_or_extra_is_one_line_and_exit_2(install: Inst
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "REDIS_URL" in proc.stderr and "payment-worker[embedded]" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_celery_dlq_entry_point_is_installed(install: Install) -> None:
+    # the celery.commands entry point: `celery -A payment_worker dlq` from the installed wheel
+    helped = _run(
+        [install.bin("celery"), "-A", "payment_worker", "dlq", "--help"],
+        cwd=install.cwd,
+        env=_env(install),
+        timeout=60,
+    )
+    assert helped.returncode == 0, helped.stdout + helped.stderr
+    for command in ("list", "show", "replay", "resolve"):
+        assert command in helped.stdout
+    proc = _run(
+        [install.bin("celery"), "-A", "payment_worker", "dlq", "list"],
+        cwd=install.cwd,
+        env=_env(install),
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "DATABASE_URL" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.fixture

@@ -117,6 +117,9 @@ def test_exporter_serves_state_from_postgres(
     assert m[("pw_batches", (("status", "completed"),))] == 1
     assert m[("pw_batches", (("status", "pending"),))] == 0
     assert m[("pw_dead_letters_open", ())] == 1
+    assert m[("pw_oldest_open_dead_letter_age_seconds", ())] >= 0
+    assert m[("pw_dead_letters_replayed_total", (("reason", "retries_exhausted"),))] == 0
+    assert m[("pw_dead_letters_resolved_total", (("reason", "task_crashed"),))] == 0
     # the oldest open one is an hour old; the two-hour-old one is terminal (dead)
     assert 3600 <= m[("pw_oldest_open_transaction_age_seconds", ())] < 3700
     assert m[("pw_exporter_scrape_duration_seconds", ())] > 0

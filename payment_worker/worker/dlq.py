@@ -1,0 +1,213 @@
+"""Crashed tasks become ``task_crashed`` dead letters.
+
+A task that crashes outright (an exception escapes it, or ``process_account_batch`` names a
+batch that does not exist), a message naming an unknown task, and a message the worker cannot
+decode are written to ``dead_letters`` with what is known: the task name, its arguments, the
+exception's class and message, and a digest of the traceback. The row is written directly
+from the hook, in the worker, because Celery acks a failed task: nothing may depend on the
+message surviving. Only when that write fails (Postgres unreachable) is the record published
+to the ``dlq`` queue as ``payment_worker.dlq.record_crash``, which retries until it can write.
+
+The rows carry ``batch_pk`` when the named batch exists and nothing otherwise (migration 0004
+allows that for ``task_crashed`` only); ``dlq list --reason task_crashed`` shows them and
+``dlq resolve`` closes them (there is no transaction to replay).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import traceback as tb_mod
+from types import TracebackType
+from typing import Any
+
+from celery import bootsteps
+from celery.signals import task_failure, task_rejected, task_unknown
+
+from payment_worker import runtime
+from payment_worker.db.dead_letters import record_task_crash
+from payment_worker.errors import PaymentWorkerError
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.metrics import DEAD_LETTERS
+from payment_worker.worker.celery_app import app
+
+log = get_logger("dlq")
+
+RECORD_CRASH_TASK = "payment_worker.dlq.record_crash"
+PROCESS_TASK_NAME = "payment_worker.process_account_batch"
+
+
+class BatchMissing(PaymentWorkerError):
+    """``process_account_batch`` named a batch that does not exist (the class name is what the
+    dead letter records; it is never raised)."""
+
+
+def traceback_digest(tb: TracebackType | str | None) -> str:
+    """A short stable digest of a traceback, and its last frames, to group identical crashes."""
+    if tb is None:
+        return ""
+    text = tb if isinstance(tb, str) else "".join(tb_mod.format_tb(tb))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    tail = text.strip().splitlines()[-4:]
+    return f"{digest} " + " | ".join(line.strip() for line in tail)
+
+
+def _batch_id_of(task_name: str, args: list[Any]) -> str | None:
+    if task_name == PROCESS_TASK_NAME and args and isinstance(args[0], str):
+        return args[0]
+    return None
+
+
+def record_crash(
+    *,
+    task_name: str,
+    args: list[Any],
+    error_class: str,
+    error: str,
+    digest: str,
+    task_id: str | None,
+) -> None:
+    """Write the ``task_crashed`` dead letter now; publish it to the ``dlq`` queue if the
+    database cannot be reached. Never raises (it runs inside Celery's signal handling)."""
+    fields: dict[str, Any] = {
+        "task_name": task_name,
+        "args": list(args),
+        "error_class": error_class,
+        "error": error[:1000],
+        "traceback_digest": digest,
+        "batch_id": _batch_id_of(task_name, list(args)),
+        "task_id": task_id,
+    }
+    try:
+        with runtime.current().engine.begin() as conn:
+            dl_id = record_task_crash(conn, **fields)
+        DEAD_LETTERS.labels("task_crashed").inc()
+        log.error("task_crashed", dead_letter_id=dl_id, task=task_name, error_class=error_class)
+    except Exception as exc:
+        log.error("task_crash_not_written", task=task_name, error=repr(exc))
+        try:
+            app.send_task(RECORD_CRASH_TASK, kwargs=fields, queue="dlq", routing_key="dlq")
+        except Exception as exc2:
+            log.error("task_crash_lost", task=task_name, error=repr(exc2), **fields)
+
+
+@app.task(
+    name=RECORD_CRASH_TASK,
+    autoretry_for=(Exception,),
+    retry_backoff=True,
+    retry_backoff_max=300,
+    max_retries=None,
+)
+def record_crash_task(
+    task_name: str,
+    args: list[Any],
+    error_class: str,
+    error: str,
+    traceback_digest: str,
+    batch_id: str | None,
+    task_id: str | None,
+) -> int:
+    """Queue ``dlq``: write a crash record the hook could not write (retried until it can)."""
+    with runtime.current().engine.begin() as conn:
+        dl_id = record_task_crash(
+            conn,
+            task_name=task_name,
+            args=args,
+            error_class=error_class,
+            error=error,
+            traceback_digest=traceback_digest,
+            batch_id=batch_id,
+            task_id=task_id,
+        )
+    DEAD_LETTERS.labels("task_crashed").inc()
+    return dl_id
+
+
+def record_missing_batch(batch_id: str, task_id: str | None) -> None:
+    """``process_account_batch`` named a batch that does not exist."""
+    record_crash(
+        task_name=PROCESS_TASK_NAME,
+        args=[batch_id],
+        error_class=BatchMissing.__name__,
+        error=f"no batch {batch_id!r}",
+        digest="",
+        task_id=task_id,
+    )
+
+
+@task_failure.connect
+def _on_task_failure(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    traceback: TracebackType | None = None,
+    **_: Any,
+) -> None:
+    name = str(getattr(sender, "name", sender))
+    if name == RECORD_CRASH_TASK:
+        return  # its own retries: never a crash record of a crash record
+    record_crash(
+        task_name=name,
+        args=[*(args or []), *([kwargs] if kwargs else [])],
+        error_class=type(exception).__name__ if exception is not None else "unknown",
+        error=str(exception),
+        digest=traceback_digest(traceback),
+        task_id=task_id,
+    )
+
+
+@task_unknown.connect
+def _on_task_unknown(
+    name: str | None = None, id: str | None = None, exc: BaseException | None = None, **_: Any
+) -> None:
+    record_crash(
+        task_name=str(name),
+        args=[],
+        error_class="UnknownTask",
+        error=str(exc),
+        digest="",
+        task_id=id,
+    )
+
+
+@task_rejected.connect
+def _on_task_rejected(message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
+    # a message the worker cannot decode or route: what is left of it is its headers
+    headers = dict(getattr(message, "headers", None) or {})
+    record_crash(
+        task_name=str(headers.get("task", "undecodable message")),
+        args=[],
+        error_class=type(exc).__name__ if exc is not None else "UndecodableMessage",
+        error=str(exc) if exc is not None else "message could not be decoded",
+        digest="",
+        task_id=str(headers.get("id")) if headers.get("id") else None,
+    )
+
+
+class DecodeErrorHook(bootsteps.Step):  # type: ignore[misc]
+    """A consumer step: a message the worker cannot decode (Celery logs it and acks it, no
+    signal) becomes a ``task_crashed`` dead letter before Celery's own handling runs."""
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        original = parent.on_decode_error
+
+        def on_decode_error(message: Any, exc: BaseException) -> Any:
+            headers = dict(getattr(message, "headers", None) or {})
+            body = getattr(message, "body", b"")
+            record_crash(
+                task_name=str(headers.get("task", "undecodable message")),
+                args=[repr(body[:200])],
+                error_class=type(exc).__name__,
+                error=f"message could not be decoded: {exc}",
+                digest="",
+                task_id=str(headers["id"]) if headers.get("id") else None,
+            )
+            return original(message, exc)
+
+        parent.on_decode_error = on_decode_error
+
+
+# the worker builds its consumer after importing the tasks module (which imports this one)
+app.steps["consumer"].add(DecodeErrorHook)

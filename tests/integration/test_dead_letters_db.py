@@ -1,0 +1,218 @@
+"""The dead-letter statements (db/dead_letters.py) on a real database, without a worker: items
+are made dead by hand the way the record statement makes them."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+
+from payment_worker import runtime
+from payment_worker.db import dead_letters as dlq
+from payment_worker.producer.submit import submit_batch
+
+ACCT = "acct-dlq-db"
+TRUST = 3600.0
+
+
+def _dead(
+    db_conn: psycopg.Connection[Any], batch_id: str, reason: str, doubt_age: float | None
+) -> int:
+    batch = {
+        "batch_id": batch_id,
+        "account_id": ACCT,
+        "items": [
+            {
+                "transaction_id": f"{batch_id}-tx",
+                "amount": 1000,
+                "currency": "IDR",
+                "beneficiary": {"bank_code": "014", "account_number": "1234567890", "name": "B"},
+            }
+        ],
+    }
+    assert submit_batch(batch, runtime=runtime.current()).status == "accepted"
+    doubt = None if doubt_age is None else f"now() - interval '{doubt_age} seconds'"
+    db_conn.execute(
+        f"UPDATE transactions SET status = 'dead', attempts = 8, doubt_since = {doubt or 'NULL'}"
+        " WHERE transaction_id = %s",
+        (f"{batch_id}-tx",),
+    )
+    db_conn.execute(
+        "UPDATE batches SET status = 'completed', dead_count = 1 WHERE batch_id = %s", (batch_id,)
+    )
+    row = db_conn.execute(
+        "INSERT INTO dead_letters (transaction_pk, batch_pk, reason, attempts, payload)"
+        ' SELECT t.id, t.batch_pk, %s, 8, \'{"last_error": "503"}\' FROM transactions t'
+        " WHERE t.transaction_id = %s RETURNING id",
+        (reason, f"{batch_id}-tx"),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _status(db_conn: psycopg.Connection[Any], batch_id: str) -> tuple[str, int]:
+    row = db_conn.execute(
+        "SELECT status, attempts FROM transactions WHERE transaction_id = %s", (f"{batch_id}-tx",)
+    ).fetchone()
+    assert row is not None
+    return str(row[0]), int(row[1])
+
+
+def test_replay_moves_dead_to_unknown_once(rt: runtime.Runtime, db_conn: Any) -> None:
+    dl_id = _dead(db_conn, "b1", "retries_exhausted", None)
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        assert [d.id for d in dlq.list_dead_letters(c)] == [dl_id]
+        r = dlq.replay(c, dl_id, TRUST, "tester")
+        assert (r.result, r.batch_id, r.account_id) == (dlq.REPLAYED, "b1", ACCT)
+        assert _status(db_conn, "b1") == ("unknown", 0)
+        again = dlq.replay(c, dl_id, TRUST, "tester")
+        assert again.result == dlq.NOT_DEAD
+        assert dlq.list_dead_letters(c) == []
+        [d] = dlq.list_dead_letters(c, state="replayed")
+        assert d.row["replay_count"] == 1 and d.state == "replayed"
+        assert len(d.row["payload"]["replays"]) == 1
+    batch = db_conn.execute("SELECT status FROM batches WHERE batch_id = 'b1'").fetchone()
+    assert batch == ("processing",)
+
+
+def test_replay_refuses_an_item_in_doubt_past_the_key_trust(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    dl_id = _dead(db_conn, "b2", "in_doubt_key_expired", TRUST + 10)
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        r = dlq.replay(c, dl_id, TRUST, "tester")
+    assert r.result == dlq.KEY_EXPIRED and r.detail == dlq.WILL_NOT_RESEND
+    assert _status(db_conn, "b2") == ("dead", 8)
+
+
+def test_a_never_in_doubt_item_replays_at_any_age(rt: runtime.Runtime, db_conn: Any) -> None:
+    dl_id = _dead(db_conn, "b3", "retries_exhausted", None)
+    db_conn.execute("UPDATE dead_letters SET created_at = now() - interval '30 days'")
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        assert dlq.replay(c, dl_id, TRUST, "t").result == dlq.REPLAYED
+
+
+def test_two_concurrent_replays_one_wins(rt: runtime.Runtime, db_conn: Any) -> None:
+    dl_id = _dead(db_conn, "b4", "retries_exhausted", 10)
+    results: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def go() -> None:
+        with rt.engine.connect() as c:
+            c = c.execution_options(isolation_level="AUTOCOMMIT")
+            barrier.wait()
+            results.append(dlq.replay(c, dl_id, TRUST, "t").result)
+
+    threads = [threading.Thread(target=go) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == sorted([dlq.REPLAYED] + [dlq.NOT_DEAD] * 7)
+    row = db_conn.execute("SELECT replay_count FROM dead_letters").fetchone()
+    assert row == (1,)
+
+
+def test_resolve_closes_a_dead_item_by_hand(rt: runtime.Runtime, db_conn: Any) -> None:
+    dl_id = _dead(db_conn, "b5", "in_doubt_key_expired", TRUST + 10)
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        assert dlq.resolve(c, dl_id, "succeeded", "paid per gateway", "oncall") == dlq.RESOLVED
+        assert dlq.resolve(c, dl_id, "failed", "again", "oncall") == dlq.NOT_DEAD
+        assert dlq.resolve(c, 999, "failed", "x", "oncall") == dlq.NOT_FOUND
+        [d] = dlq.list_dead_letters(c, state="resolved")
+    assert d.row["resolved_by"] == "oncall" and d.row["resolution_note"] == "paid per gateway"
+    assert _status(db_conn, "b5")[0] == "succeeded"
+    counts = db_conn.execute(
+        "SELECT succeeded_count, dead_count FROM batches WHERE batch_id = 'b5'"
+    ).fetchone()
+    assert counts == (1, 0)
+
+
+def test_a_task_crash_without_a_batch_is_recorded(rt: runtime.Runtime, db_conn: Any) -> None:
+    with rt.engine.begin() as c:
+        dl_id = dlq.record_task_crash(
+            c,
+            task_name="payment_worker.process_account_batch",
+            args=["nope"],
+            error_class="BatchMissing",
+            error="no batch 'nope'",
+            traceback_digest="abc",
+            batch_id="nope",
+            task_id="t1",
+        )
+    with rt.engine.connect() as c:
+        [d] = dlq.list_dead_letters(c, reason="task_crashed")
+        assert d.id == dl_id and d.state == "open"
+        assert dlq.replay(c, dl_id, TRUST, "t").result == dlq.NO_TRANSACTION
+
+
+def test_the_state_snapshot_counts_replays_resolutions_and_the_oldest_open(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    from payment_worker.db.reports import state_snapshot
+
+    a = _dead(db_conn, "m1", "retries_exhausted", None)
+    b = _dead(db_conn, "m2", "key_conflict", None)
+    _dead(db_conn, "m3", "key_conflict", None)
+    db_conn.execute("UPDATE dead_letters SET created_at = now() - interval '1 hour'")
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        assert dlq.replay(c, a, TRUST, "t").result == dlq.REPLAYED
+        assert dlq.resolve(c, b, "failed", "declined per gateway", "t") == dlq.RESOLVED
+    with rt.engine.begin() as c:
+        snap = state_snapshot(c, statement_timeout_ms=5000)
+    assert snap.dead_letters_replayed == {"retries_exhausted": 1, "key_conflict": 0}
+    assert snap.dead_letters_resolved == {"retries_exhausted": 0, "key_conflict": 1}
+    assert 3600 <= snap.oldest_open_dead_letter_age < 3700
+
+
+def test_the_task_failure_hook_writes_a_task_crashed_dead_letter(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    import sys
+
+    from payment_worker.worker import dlq as hooks
+
+    _dead(db_conn, "crash", "retries_exhausted", None)
+
+    class FakeTask:
+        name = "payment_worker.process_account_batch"
+
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        hooks._on_task_failure(
+            sender=FakeTask(),
+            task_id="t-1",
+            exception=exc,
+            args=["crash"],
+            kwargs={},
+            traceback=sys.exc_info()[2],
+        )
+    row = db_conn.execute(
+        "SELECT d.error_class, d.payload, b.batch_id FROM dead_letters d"
+        " LEFT JOIN batches b ON b.id = d.batch_pk WHERE d.reason = 'task_crashed'"
+    ).fetchone()
+    assert row is not None
+    error_class, payload, batch_id = row
+    assert (error_class, batch_id) == ("ValueError", "crash")
+    assert payload["last_error"] == "boom" and payload["task_id"] == "t-1"
+    assert payload["args"] == ["crash"] and len(payload["traceback_digest"]) > 16
+
+
+def test_key_conflict_and_fingerprint_mismatch_are_never_replayed(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    a = _dead(db_conn, "kc", "key_conflict", None)
+    b = _dead(db_conn, "fm", "fingerprint_mismatch", None)
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        ra, rb = dlq.replay(c, a, TRUST, "t"), dlq.replay(c, b, TRUST, "t")
+    assert (ra.result, rb.result) == (dlq.NOT_REPLAYABLE, dlq.NOT_REPLAYABLE)
+    assert "resolve by hand" in ra.detail
+    assert _status(db_conn, "kc") == ("dead", 8) and _status(db_conn, "fm") == ("dead", 8)

@@ -1,0 +1,184 @@
+"""Dead-letter replay and resolve with real workers against the simulator, the commands run
+exactly as on-call types them (``celery -A payment_worker dlq ...``), the ledger checked:
+each item paid exactly once, whatever is replayed, however often."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from payment_worker.worker.queueing import enqueue_batch
+from tests.conftest import PwEnv
+from tests.integration.test_in_doubt import ACCT, _batch, _rows, _settle, _submit, _world
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def dlq(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "USER": "oncall-test", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "payment_worker", "dlq", *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _open_ids(reason: str | None = None) -> list[int]:
+    args = ["list", "--json"] + (["--reason", reason] if reason else [])
+    out = dlq(*args)
+    assert out.returncode == 0, out.stderr
+    return [int(r["id"]) for r in json.loads(out.stdout)]
+
+
+def _wait_dead(batch_id: str, timeout: float) -> None:
+    _settle(batch_id, timeout=timeout, until=("dead",))
+
+
+def _paid_once(ledger: dict[str, Any], n: int) -> None:
+    assert ledger["payments_sent"] == n and ledger["double_payments"] == [], ledger
+
+
+def test_retries_exhausted_items_replayed_after_the_gateway_heals_are_paid_once(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    env = {"RETRY_MAX_ATTEMPTS": "2"}
+    with _world(pw_env, tmp_path, {"p503": 1.0}, **env) as (sim, _):
+        _submit(_batch("all503", n=3))
+        _wait_dead("all503", timeout=40)
+        assert len(_open_ids("retries_exhausted")) == 3
+        sim.configure(p503=0.0)
+        out = dlq("replay", "--all", "--yes")
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        assert "replayed=3" in out.stdout
+        rows = _settle("all503", timeout=40, until=("succeeded",))
+        _paid_once(sim.ledger(), 3)
+        again = dlq("replay", "--all", "--yes")
+        assert again.returncode == 0 and "nothing to replay" in again.stdout
+        time.sleep(2.0)
+        _paid_once(sim.ledger(), 3)
+    assert {s for s, _ in rows.values()} == {"succeeded"}
+    assert _open_ids() == []
+    resolved = json.loads(dlq("list", "--json", "--status", "resolved").stdout)
+    assert {r["resolved_by"] for r in resolved} == {"replay"}
+
+
+def test_unknown_unresolved_replayed_is_recorded_from_the_lookup_without_a_second_payment(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    env = {"GATEWAY_KEY_RETENTION_SECONDS": "120", "IN_DOUBT_MAX_SECONDS": "3"}
+    with _world(pw_env, tmp_path, {"key_retention_seconds": 120}, **env) as (sim, _):
+        sim.script(ACCT, {"fault": "outage_after_apply", "seconds": 10, "endpoint": "create"})
+        started = time.monotonic()
+        _submit(_batch("lost"))
+        _wait_dead("lost", timeout=30)
+        [dl_id] = _open_ids("unknown_unresolved")
+        time.sleep(max(0.0, 11.0 - (time.monotonic() - started)))  # the outage is over
+        out = dlq("replay", str(dl_id), env=env)
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        rows = _settle("lost", timeout=30, until=("succeeded",))
+        _paid_once(sim.ledger(), 1)
+        creates = sim.statuses(ACCT, "create")
+    assert [s for s, _ in rows.values()] == ["succeeded"]
+    assert len(creates) == 1  # the replay looked up and never sent again
+
+
+def test_an_item_in_doubt_past_the_key_retention_is_never_replayed_and_resolved_by_hand(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    env = {"GATEWAY_KEY_RETENTION_SECONDS": "4", "IN_DOUBT_MAX_SECONDS": "1"}
+    with _world(pw_env, tmp_path, {"key_retention_seconds": 4}, **env) as (sim, _):
+        sim.script(ACCT, {"fault": "outage_after_apply", "seconds": 3, "endpoint": "create"})
+        _submit(_batch("expired"))
+        _wait_dead("expired", timeout=30)
+        [dl_id] = _open_ids()
+        time.sleep(5.0)  # the oldest send in doubt is now older than the key trust (3.6 s)
+        shown = json.loads(dlq("show", str(dl_id), "--json", env=env).stdout)
+        assert "will not resend: key retention passed, resolve by hand" in shown["replay_would"]
+        out = dlq("replay", "--all", "--yes", env=env)
+        assert out.returncode == 1 and "will not resend" in out.stdout, out.stdout
+        time.sleep(2.0)
+        assert [s for s, _ in _rows("expired").values()] == ["dead"]
+        _paid_once(sim.ledger(), 1)
+        done = dlq("resolve", str(dl_id), "--as", "succeeded", "--note", "gateway confirms")
+        assert done.returncode == 0, done.stderr
+        _paid_once(sim.ledger(), 1)
+    assert [s for s, _ in _rows("expired").values()] == ["succeeded"]
+    assert _open_ids() == []
+
+
+def test_two_concurrent_replays_of_one_item_pay_once(pw_env: PwEnv, tmp_path: Path) -> None:
+    with _world(pw_env, tmp_path, {"p503": 1.0}, RETRY_MAX_ATTEMPTS="1") as (sim, _):
+        _submit(_batch("twice"))
+        _wait_dead("twice", timeout=30)
+        [dl_id] = _open_ids()
+        sim.configure(p503=0.0)
+        results: list[subprocess.CompletedProcess[str]] = []
+        threads = [
+            threading.Thread(target=lambda: results.append(dlq("replay", str(dl_id))))
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        replayed = [r for r in results if r.returncode == 0]
+        assert len(replayed) == 1, [(r.returncode, r.stdout, r.stderr) for r in results]
+        _settle("twice", timeout=30, until=("succeeded",))
+        time.sleep(1.0)
+        _paid_once(sim.ledger(), 1)
+
+
+def test_a_batch_id_that_does_not_exist_is_a_task_crashed_dead_letter(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    with _world(pw_env, tmp_path, {}):
+        enqueue_batch("no-such-batch")
+        deadline = time.monotonic() + 30
+        while not _open_ids("task_crashed"):
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+    [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
+    assert row["error_class"] == "BatchMissing"
+    assert row["payload"]["args"] == ["no-such-batch"]
+    out = dlq("list")
+    assert "task_crashed=1" in out.stdout
+    with psycopg.connect(pw_env.database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM transactions").fetchone() == (0,)
+
+
+def test_a_message_the_worker_cannot_decode_is_a_task_crashed_dead_letter(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    from kombu import Connection, Exchange, Queue
+
+    with _world(pw_env, tmp_path, {}):
+        with Connection(pw_env.broker_url) as conn:
+            producer = conn.Producer()
+            producer.publish(
+                b"{not json",
+                exchange="payments",
+                routing_key="payments",
+                content_type="application/json",
+                content_encoding="utf-8",
+                serializer=None,
+                headers={},
+                declare=[Queue("payments", Exchange("payments"), routing_key="payments")],
+            )
+        deadline = time.monotonic() + 30
+        while not _open_ids("task_crashed"):
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+    [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
+    assert "could not be decoded" in row["last_error"]
