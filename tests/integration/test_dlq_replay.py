@@ -74,6 +74,29 @@ def test_retries_exhausted_items_replayed_after_the_gateway_heals_are_paid_once(
     assert {r["resolved_by"] for r in resolved} == {"replay"}
 
 
+def test_items_dead_after_a_503_storm_replay_after_the_retention_and_pay_once(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    # the gateway forgets keys after 2 s; the storm's sends all applied nothing, so nothing
+    # of these items was ever in doubt and a replay long after the retention may send
+    env = {
+        "RETRY_MAX_ATTEMPTS": "2",
+        "GATEWAY_KEY_RETENTION_SECONDS": "2",
+        "IN_DOUBT_MAX_SECONDS": "0.5",
+    }
+    sim_flags = {"p503": 1.0, "key_retention_seconds": 2}
+    with _world(pw_env, tmp_path, sim_flags, **env) as (sim, _):
+        _submit(_batch("storm", n=2))
+        _wait_dead("storm", timeout=40)
+        sim.configure(p503=0.0)
+        time.sleep(4.0)  # twice the retention
+        out = dlq("replay", "--all", "--yes")
+        assert out.returncode == 0 and "replayed=2" in out.stdout, (out.stdout, out.stderr)
+        rows = _settle("storm", timeout=40, until=("succeeded",))
+        _paid_once(sim.ledger(), 2)
+    assert {s for s, _ in rows.values()} == {"succeeded"}
+
+
 def test_unknown_unresolved_replayed_is_recorded_from_the_lookup_without_a_second_payment(
     pw_env: PwEnv, tmp_path: Path
 ) -> None:
