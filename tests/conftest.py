@@ -14,8 +14,9 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NoReturn
@@ -63,6 +64,15 @@ def service_verdict(
             f"extra installed: a bug, not the environment): {why}"
         )
     return "skip", f"service unavailable: {why}"
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
 
 
 def _unavailable(service: str, error: BaseException, *, url_set: bool) -> NoReturn:

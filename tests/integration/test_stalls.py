@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -30,7 +30,7 @@ from payment_worker.locks.account_lock import AccountLock, lock_is_held
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker import drain
 from payment_worker.worker.sweeper import run_sweep
-from tests.conftest import PwEnv
+from tests.conftest import PwEnv, wait_until
 from tests.sim_fixtures import SimHandle
 
 ACCT = "acct-0000"
@@ -133,14 +133,6 @@ def _lost(reason: str) -> float:
     return REGISTRY.get_sample_value("pw_lock_lost_total", {"reason": reason}) or 0.0
 
 
-def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
 def test_the_watchdog_keeps_a_lock_that_progresses_and_drops_a_silent_one(
     pw_env: PwEnv, redis_client: redis.Redis
 ) -> None:
@@ -168,13 +160,13 @@ def test_the_watchdog_keeps_a_lock_that_progresses_and_drops_a_silent_one(
     before = _lost("stalled")
     lock.progress()  # the last report: silent from now on
     silent_from = time.monotonic()
-    _wait_until(lambda: lost != [], 3, "the watchdog to give up")
+    wait_until(lambda: lost != [], 3, "the watchdog to give up")
     gave_up_after = time.monotonic() - silent_from
     assert lost == ["stalled"] and _lost("stalled") == before + 1
     # at the first tick after the bound (TTL/3 apart), plus scheduling slack
     assert max_stall <= gave_up_after <= max_stall + ttl_ms / 3000 + 0.5, gave_up_after
     # no longer renewed: the key expires within one TTL and another worker gets the account
-    _wait_until(lambda: not redis_client.exists(lock.key), ttl_ms / 1000 + 0.2, "expiry")
+    wait_until(lambda: not redis_client.exists(lock.key), ttl_ms / 1000 + 0.2, "expiry")
     assert rival.acquire()
     assert (rival.fence_token or 0) > (lock.fence_token or 0)
     with pytest.raises(LockLost, match="stalled"):
@@ -225,16 +217,16 @@ def test_a_holder_blocked_in_postgres_is_taken_over_behind_the_fence(
         before = _lost("stalled")
         started = time.monotonic()
         threads.append(run("first"))
-        _wait_until(lambda: waiting_on_locks() == 1, 5, "the first holder to block")
+        wait_until(lambda: waiting_on_locks() == 1, 5, "the first holder to block")
         # silent for LOCK_MAX_STALL_SECONDS: no renewal, and the key expires within one TTL
-        _wait_until(lambda: _lost("stalled") == before + 1, 3, "the watchdog to give up")
+        wait_until(lambda: _lost("stalled") == before + 1, 3, "the watchdog to give up")
         assert time.monotonic() - started <= 1.0 + 0.2 + 1.0  # stall + TTL/3 + slack
-        _wait_until(lambda: not lock_is_held(rt.redis, ACCT), 1.0, "the lock to expire")
+        wait_until(lambda: not lock_is_held(rt.redis, ACCT), 1.0, "the lock to expire")
         assert threads[0].is_alive()  # still blocked in its statement
         # another worker takes the account: a newer fencing token while the first waits
         monkeypatch.setattr(rt.settings, "lock_max_stall_seconds", 120.0)
         threads.append(run("second"))
-        _wait_until(lambda: waiting_on_locks() == 2, 5, "the second holder to block too")
+        wait_until(lambda: waiting_on_locks() == 2, 5, "the second holder to block too")
         assert lock_is_held(rt.redis, ACCT)
         fence = db_conn.execute(
             "SELECT fence_token FROM account_fences WHERE account_id = %s", (ACCT,)

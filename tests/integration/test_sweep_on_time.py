@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +24,11 @@ from payment_worker.dev.samples import make_batches
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker.queueing import enqueue_batch
 from payment_worker.worker.sweeper import SweeperThread, sweep_if_due
-from tests.conftest import PwEnv
+from tests.conftest import PwEnv, wait_until
 from tests.integration.test_producer import make_batch
 
 INTERVAL = 0.5  # SWEEPER_INTERVAL of these tests, seconds
 SLOTS = 2
-
-
-def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -60,7 +51,7 @@ def test_the_thread_sweeps_every_interval_and_stops_at_once(srt: runtime.Runtime
     thread = SweeperThread(runtime.current, INTERVAL)
     thread.start()
     try:
-        _wait_until(lambda: thread.passes >= 3, 6 * INTERVAL, "three passes")
+        wait_until(lambda: thread.passes >= 3, 6 * INTERVAL, "three passes")
     finally:
         t0 = time.monotonic()
         thread.stop(5)
@@ -106,7 +97,7 @@ def test_a_sweep_happens_with_the_queue_full_and_every_slot_busy(
             held = len(app_redis.keys("pw:lock:{acct-*}"))
             return held == SLOTS and broker.llen("payments") > 20
 
-        _wait_until(busy, 60, "every slot busy with the queue still full")
+        wait_until(busy, 60, "every slot busy with the queue still full")
         # the victim's items now look untouched for a minute: stalled
         db_conn.execute(
             "UPDATE transactions SET updated_at = now() - interval '1 minute'"
@@ -114,7 +105,7 @@ def test_a_sweep_happens_with_the_queue_full_and_every_slot_busy(
         )
         t0 = time.monotonic()
         swept = "pw:swept:{acct-victim}"
-        _wait_until(lambda: bool(app_redis.exists(swept)), 6 * INTERVAL, "the victim swept")
+        wait_until(lambda: bool(app_redis.exists(swept)), 6 * INTERVAL, "the victim swept")
         took = time.monotonic() - t0
         # it did not wait for the backlog: still every slot busy, still a full queue
         assert busy(), (app_redis.keys("pw:lock:*"), broker.llen("payments"))

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -27,7 +27,7 @@ from payment_worker import runtime
 from payment_worker.db import work as repo
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker.sweeper import run_sweep
-from tests.conftest import ROOT, PwEnv
+from tests.conftest import ROOT, PwEnv, wait_until
 from tests.integration.test_producer import broker_messages, make_batch
 from tests.sim_fixtures import SimHandle
 
@@ -60,14 +60,6 @@ def _sweeps(result: str) -> float:
     return REGISTRY.get_sample_value("pw_sweeps_total", {"result": result}) or 0.0
 
 
-def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
 def test_batch_saved_while_the_broker_was_down_is_reenqueued(
     srt: runtime.Runtime, pw_env: PwEnv, db_conn: psycopg.Connection[Any]
 ) -> None:
@@ -93,7 +85,7 @@ def test_second_sweep_within_the_stale_period_publishes_nothing(
     assert again == {"result": "ok", "stalled": 1, "busy": 0, "reenqueued": []}
     assert broker_messages(pw_env) == ["b-1"]
     # at most once per period, not once for ever: after the period it is repaired again
-    _wait_until(lambda: run_sweep(srt)["reenqueued"] == ["b-1"], STALE * 3, "a second repair")
+    wait_until(lambda: run_sweep(srt)["reenqueued"] == ["b-1"], STALE * 3, "a second repair")
     assert time.monotonic() - first >= STALE * 0.9
     assert broker_messages(pw_env) == ["b-1", "b-1"]
 
@@ -150,7 +142,7 @@ def test_a_concurrent_sweep_is_skipped(
             ).fetchone()
             return row is not None and row[0] == 1
 
-        _wait_until(first_is_waiting, 5, "the first sweep to wait on the table lock")
+        wait_until(first_is_waiting, 5, "the first sweep to wait on the table lock")
         assert redis_client.exists(guard_key)
         # in a thread too: a second pass that did not skip would wait on the table, and
         # must fail this test rather than hang it
