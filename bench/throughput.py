@@ -112,7 +112,7 @@ def _scrape(port: int) -> dict[str, float]:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     except httpx.HTTPError:
         return out
-    for m in re.finditer(r'^pw_task_executions_total\{result="(\w+)"\} ([0-9.e+]+)$', text, re.M):
+    for m in re.finditer(r'^payment_worker_task_executions_total\{result="(\w+)"\} ([0-9.e+]+)$', text, re.M):
         out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 

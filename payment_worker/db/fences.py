@@ -70,7 +70,7 @@ def execute_fenced(
     ``statement`` starts with ``WITH`` :data:`FENCE_CTE` and returns at least one row, whose
     ``fenced_ok`` column is the verdict. A current token with a state condition that simply
     did not match is no rejection: the statement's own columns tell what changed. The caller
-    that handles :class:`FencedOut` counts it (``pw_fencing_rejections_total``).
+    that handles :class:`FencedOut` counts it (``payment_worker_fencing_rejections_total``).
     """
     rows = conn.execute(statement, {**params, **fence_params(account_id, token)}).mappings().all()
     if not rows[0]["fenced_ok"]:

@@ -47,10 +47,10 @@ class PostgresStateCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        """Query Postgres and yield the gauges; a failed query sets pw_exporter_up to 0."""
+        """Query Postgres and yield the gauges; a failed query sets payment_worker_exporter_up to 0."""
         started = time.perf_counter()
         up = GaugeMetricFamily(
-            "pw_exporter_up", "1 if the last scrape could read Postgres, else 0."
+            "payment_worker_exporter_up", "1 if the last scrape could read Postgres, else 0."
         )
         try:
             with self._lock, self._engine.begin() as conn:
@@ -70,25 +70,25 @@ class PostgresStateCollector(Collector):
         yield up
 
         g = GaugeMetricFamily(
-            "pw_transactions", "Transactions by current status.", labels=["status"]
+            "payment_worker_transactions", "Transactions by current status.", labels=["status"]
         )
         for status, n in tx.items():
             g.add_metric([status], n)
         yield g
-        g = GaugeMetricFamily("pw_batches", "Batches by current status.", labels=["status"])
+        g = GaugeMetricFamily("payment_worker_batches", "Batches by current status.", labels=["status"])
         for status, n in batches.items():
             g.add_metric([status], n)
         yield g
         yield GaugeMetricFamily(
-            "pw_dead_letters_open", "Dead letters not yet resolved.", value=dead_open
+            "payment_worker_dead_letters_open", "Dead letters not yet resolved.", value=dead_open
         )
         yield GaugeMetricFamily(
-            "pw_oldest_open_dead_letter_age_seconds",
+            "payment_worker_oldest_open_dead_letter_age_seconds",
             "Age of the oldest dead letter not yet resolved (0 if none).",
             value=state.oldest_open_dead_letter_age,
         )
         c = CounterMetricFamily(
-            "pw_dead_letters_replayed",
+            "payment_worker_dead_letters_replayed",
             "Dead-letter replays (dlq replay), by reason, from Postgres.",
             labels=["reason"],
         )
@@ -96,7 +96,7 @@ class PostgresStateCollector(Collector):
             c.add_metric([reason], n)
         yield c
         c = CounterMetricFamily(
-            "pw_dead_letters_resolved",
+            "payment_worker_dead_letters_resolved",
             "Dead letters resolved (by hand, or by a replay that finished), by reason.",
             labels=["reason"],
         )
@@ -104,12 +104,12 @@ class PostgresStateCollector(Collector):
             c.add_metric([reason], n)
         yield c
         yield GaugeMetricFamily(
-            "pw_oldest_open_transaction_age_seconds",
+            "payment_worker_oldest_open_transaction_age_seconds",
             "Age of the oldest transaction not in a terminal state (0 if none).",
             value=oldest,
         )
         yield GaugeMetricFamily(
-            "pw_exporter_scrape_duration_seconds",
+            "payment_worker_exporter_scrape_duration_seconds",
             "Time the last scrape spent reading Postgres.",
             value=time.perf_counter() - started,
         )

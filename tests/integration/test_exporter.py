@@ -102,33 +102,33 @@ def test_exporter_serves_state_from_postgres(
     exporter: str, db_conn: psycopg.Connection[Any]
 ) -> None:
     before = _samples(httpx.get(exporter, timeout=10).text)
-    assert before[("pw_exporter_up", ())] == 1
-    assert before[("pw_transactions", (("status", "pending"),))] == 0
-    assert before[("pw_oldest_open_transaction_age_seconds", ())] == 0
+    assert before[("payment_worker_exporter_up", ())] == 1
+    assert before[("payment_worker_transactions", (("status", "pending"),))] == 0
+    assert before[("payment_worker_oldest_open_transaction_age_seconds", ())] == 0
 
     _seed(db_conn)
     resp = httpx.get(exporter, timeout=10)
     assert resp.status_code == 200
     m = _samples(resp.text)
-    tx = {status: m[("pw_transactions", (("status", status),))] for status in TxStatus}
+    tx = {status: m[("payment_worker_transactions", (("status", status),))] for status in TxStatus}
     expected = {"pending": 2, "dispatching": 0, "retryable": 1, "unknown": 1}
     assert tx == {**expected, "succeeded": 1, "failed": 1, "dead": 1}
-    assert m[("pw_batches", (("status", "processing"),))] == 1
-    assert m[("pw_batches", (("status", "completed"),))] == 1
-    assert m[("pw_batches", (("status", "pending"),))] == 0
-    assert m[("pw_dead_letters_open", ())] == 1
-    assert m[("pw_oldest_open_dead_letter_age_seconds", ())] >= 0
-    assert m[("pw_dead_letters_replayed_total", (("reason", "retries_exhausted"),))] == 0
-    assert m[("pw_dead_letters_resolved_total", (("reason", "task_crashed"),))] == 0
+    assert m[("payment_worker_batches", (("status", "processing"),))] == 1
+    assert m[("payment_worker_batches", (("status", "completed"),))] == 1
+    assert m[("payment_worker_batches", (("status", "pending"),))] == 0
+    assert m[("payment_worker_dead_letters_open", ())] == 1
+    assert m[("payment_worker_oldest_open_dead_letter_age_seconds", ())] >= 0
+    assert m[("payment_worker_dead_letters_replayed_total", (("reason", "retries_exhausted"),))] == 0
+    assert m[("payment_worker_dead_letters_resolved_total", (("reason", "task_crashed"),))] == 0
     # the oldest open one is an hour old; the two-hour-old one is terminal (dead)
-    assert 3600 <= m[("pw_oldest_open_transaction_age_seconds", ())] < 3700
-    assert m[("pw_exporter_scrape_duration_seconds", ())] > 0
+    assert 3600 <= m[("payment_worker_oldest_open_transaction_age_seconds", ())] < 3700
+    assert m[("payment_worker_exporter_scrape_duration_seconds", ())] > 0
 
     # read per scrape: a change in Postgres shows up in the next scrape
     db_conn.execute("UPDATE transactions SET status = 'succeeded' WHERE status <> 'dead'")
     after = _samples(httpx.get(exporter, timeout=10).text)
-    assert after[("pw_transactions", (("status", "succeeded"),))] == 6
-    assert after[("pw_oldest_open_transaction_age_seconds", ())] == 0
+    assert after[("payment_worker_transactions", (("status", "succeeded"),))] == 6
+    assert after[("payment_worker_oldest_open_transaction_age_seconds", ())] == 0
 
 
 def test_unreachable_database_reports_up_zero_not_an_error(pw_env: Any) -> None:
@@ -139,4 +139,4 @@ def test_unreachable_database_reports_up_zero_not_an_error(pw_env: Any) -> None:
         families = list(PostgresStateCollector(engine).collect())
     finally:
         engine.dispose()
-    assert [(f.name, [s.value for s in f.samples]) for f in families] == [("pw_exporter_up", [0])]
+    assert [(f.name, [s.value for s in f.samples]) for f in families] == [("payment_worker_exporter_up", [0])]

@@ -34,7 +34,7 @@ SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fe
 
 
 def _rejections() -> float:
-    return REGISTRY.get_sample_value("pw_fencing_rejections_total") or 0.0
+    return REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") or 0.0
 
 
 @pytest.fixture

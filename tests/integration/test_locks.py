@@ -66,10 +66,10 @@ def test_acquire_fence_release(redis_client: redis.Redis, engine: Engine) -> Non
 def test_second_owner_is_refused_and_counted(redis_client: redis.Redis, engine: Engine) -> None:
     a, b = make_lock(redis_client, engine), make_lock(redis_client, engine)
     assert a.acquire()
-    before = metric("pw_lock_contention_total")
+    before = metric("payment_worker_lock_contention_total")
     assert not b.acquire()
     assert not b.acquire(blocking=True, timeout=0)
-    assert metric("pw_lock_contention_total") == before + 2
+    assert metric("payment_worker_lock_contention_total") == before + 2
     assert b.fence_token is None
     a.release()
     assert b.acquire()
@@ -86,9 +86,9 @@ def test_release_of_a_lock_we_no_longer_own_deletes_nothing(
     time.sleep(0.4)
     b = make_lock(redis_client, engine, ttl_ms=5000)
     assert b.acquire()
-    before = metric("pw_lock_release_not_owner_total")
+    before = metric("payment_worker_lock_release_not_owner_total")
     assert not a.release()
-    assert metric("pw_lock_release_not_owner_total") == before + 1
+    assert metric("payment_worker_lock_release_not_owner_total") == before + 1
     assert redis_client.get(b.key) is not None
     b.ensure_held()
     assert b.release()
@@ -112,7 +112,7 @@ def test_renewal_keeps_the_lock_for_ten_ttls(redis_client: redis.Redis, engine: 
     ttl_ms = 300
     a = make_lock(redis_client, engine, ttl_ms=ttl_ms)
     rival = make_lock(redis_client, engine, ttl_ms=ttl_ms)
-    ok_before = metric("pw_lock_renewals_total", result="ok")
+    ok_before = metric("payment_worker_lock_renewals_total", result="ok")
     assert a.acquire()
     end = time.monotonic() + 10 * ttl_ms / 1000
     checks = 0
@@ -124,7 +124,7 @@ def test_renewal_keeps_the_lock_for_ten_ttls(redis_client: redis.Redis, engine: 
         checks += 1
         time.sleep(0.02)
     a.ensure_held()
-    renewals = metric("pw_lock_renewals_total", result="ok") - ok_before
+    renewals = metric("payment_worker_lock_renewals_total", result="ok") - ok_before
     # at TTL/3 over 10 TTLs: about 30 renewals
     assert renewals >= 25
     assert a.release()
@@ -139,7 +139,7 @@ def test_deleted_key_is_noticed_within_a_third_of_the_ttl(
     a = make_lock(
         redis_client, engine, ttl_ms=ttl_ms, on_lost=lambda r: (reasons.append(r), lost.set())
     )
-    before = metric("pw_lock_lost_total", reason="expired")
+    before = metric("payment_worker_lock_lost_total", reason="expired")
     assert a.acquire()
     time.sleep(0.05)
     redis_client.delete(a.key)
@@ -149,7 +149,7 @@ def test_deleted_key_is_noticed_within_a_third_of_the_ttl(
     assert noticed <= ttl_ms / 3000 + 0.1, noticed
     assert reasons == ["expired"]
     assert a.lost and a.lost_reason == "expired"
-    assert metric("pw_lock_lost_total", reason="expired") == before + 1
+    assert metric("payment_worker_lock_lost_total", reason="expired") == before + 1
     with pytest.raises(LockLost):
         a.ensure_held()
     assert not a.release()  # nothing of ours left to delete
@@ -210,7 +210,7 @@ def test_unreachable_redis_marks_the_lock_lost_at_the_local_deadline(
         safety_margin_ms=margin_ms,
         on_lost=lambda _r: lost.set(),
     )
-    errors_before = metric("pw_lock_renewals_total", result="error")
+    errors_before = metric("payment_worker_lock_renewals_total", result="error")
     before = time.monotonic()
     assert a.acquire()
     after = time.monotonic()
@@ -218,7 +218,7 @@ def test_unreachable_redis_marks_the_lock_lost_at_the_local_deadline(
     assert lost.wait(3)
     lost_at = time.monotonic()
     assert a.lost_reason == "unreachable"
-    assert metric("pw_lock_renewals_total", result="error") > errors_before
+    assert metric("payment_worker_lock_renewals_total", result="error") > errors_before
     # never before the local deadline (counted from before the grant was sent), and no
     # later than the deadline plus one retry step
     deadline = (ttl_ms - margin_ms) / 1000

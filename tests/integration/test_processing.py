@@ -214,10 +214,10 @@ def test_a_fenced_out_drain_stops_and_counts_one_rejection(
         return real_claim(*args)
 
     monkeypatch.setattr(repo, "claim_due", claim_after_a_takeover)
-    before = REGISTRY.get_sample_value("pw_fencing_rejections_total") or 0.0
+    before = REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") or 0.0
     report = processing.run_account("acct-0000", batches[0]["batch_id"], res)
     assert report.result == "fenced_out" and report.items == 0
-    assert REGISTRY.get_sample_value("pw_fencing_rejections_total") == before + 1
+    assert REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") == before + 1
     assert _statuses(db_conn) == {"pending": 2}
 
 

@@ -105,17 +105,17 @@ def test_resubmission_is_duplicate_and_enqueues_nothing(
 ) -> None:
     data = make_batch("b-1")
     assert submit_batch(data).status == "accepted"
-    before = metric("pw_submit_duplicates_total", layer="redis")
+    before = metric("payment_worker_submit_duplicates_total", layer="redis")
     again = submit_batch(json.dumps(data))  # JSON text is accepted too
     assert again == SubmitResult("b-1", "duplicate", 3, [])
-    assert metric("pw_submit_duplicates_total", layer="redis") == before + 1
+    assert metric("payment_worker_submit_duplicates_total", layer="redis") == before + 1
 
     # past the Redis window, Postgres still knows; reordered items are the same content
     redis_client.flushdb()
-    before_pg = metric("pw_submit_duplicates_total", layer="postgres")
+    before_pg = metric("payment_worker_submit_duplicates_total", layer="postgres")
     reordered = dict(data, items=list(reversed(data["items"])))
     assert submit_batch(reordered).status == "duplicate"
-    assert metric("pw_submit_duplicates_total", layer="postgres") == before_pg + 1
+    assert metric("payment_worker_submit_duplicates_total", layer="postgres") == before_pg + 1
     # ... and that reopened the window
     assert redis_client.ttl(RedisKeys("pw").submit_dedup("b-1")) > 0
 

@@ -36,7 +36,7 @@ result = submit_batch(json.loads(sys.argv[1]))
 print(json.dumps({
     "result": result.to_json(),
     "seconds": time.monotonic() - started,
-    "enqueue_failures": REGISTRY.get_sample_value("pw_enqueue_failures_total"),
+    "enqueue_failures": REGISTRY.get_sample_value("payment_worker_enqueue_failures_total"),
 }))
 """
 

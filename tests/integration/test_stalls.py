@@ -130,7 +130,7 @@ def test_a_holder_blocked_on_a_row_gives_up_and_the_account_moves_on(
 
 
 def _lost(reason: str) -> float:
-    return REGISTRY.get_sample_value("pw_lock_lost_total", {"reason": reason}) or 0.0
+    return REGISTRY.get_sample_value("payment_worker_lock_lost_total", {"reason": reason}) or 0.0
 
 
 def test_the_watchdog_keeps_a_lock_that_progresses_and_drops_a_silent_one(

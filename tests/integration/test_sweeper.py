@@ -57,7 +57,7 @@ def _age(db: psycopg.Connection[Any], seconds: float = 60.0) -> None:
 
 
 def _sweeps(result: str) -> float:
-    return REGISTRY.get_sample_value("pw_sweeps_total", {"result": result}) or 0.0
+    return REGISTRY.get_sample_value("payment_worker_sweeps_total", {"result": result}) or 0.0
 
 
 def test_batch_saved_while_the_broker_was_down_is_reenqueued(

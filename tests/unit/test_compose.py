@@ -180,7 +180,7 @@ def _known_metric_names() -> set[str]:
             if isinstance(obj, Histogram):
                 names |= {base + "_bucket", base + "_sum", base + "_count"}
     exporter_src = (ROOT / "payment_worker" / "ops" / "exporter.py").read_text()
-    names |= set(re.findall(r'"(pw_[a-z_]+)"', exporter_src))
+    names |= set(re.findall(r'"(payment_worker_[a-z_]+)"', exporter_src))
     return names
 
 
@@ -196,7 +196,7 @@ def test_grafana_provisioning_and_dashboard_use_real_metrics() -> None:
     for path in dashboards:
         dash = json.loads(path.read_text())
         exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
-        used = {m for e in exprs for m in re.findall(r"\bpw_[a-z_]+", e)}
+        used = {m for e in exprs for m in re.findall(r"\bpayment_worker_[a-z_]+", e)}
         assert used and used <= known, f"{path.name}: unknown {sorted(used - known)}"
 
 

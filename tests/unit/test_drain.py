@@ -199,10 +199,10 @@ def test_a_replaced_holder_writes_nothing_and_counts_one_rejection(w: World) -> 
         w.store.fences[ACCT] += 1  # a newer holder got a token: this one is fenced out
 
     w.gateway.on_call = taken_over
-    before = REGISTRY.get_sample_value("pw_fencing_rejections_total") or 0.0
+    before = REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") or 0.0
     report = w.run()
     assert report.result == "fenced_out"  # type: ignore[attr-defined]
-    assert REGISTRY.get_sample_value("pw_fencing_rejections_total") == before + 1
+    assert REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") == before + 1
     assert w.store.writes == [] and all(r.status is TxStatus.DISPATCHING for r in rows)
 
 

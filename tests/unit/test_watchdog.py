@@ -88,14 +88,14 @@ def test_a_holder_that_reports_progress_keeps_its_lock() -> None:
 def test_a_silent_holder_loses_its_lock_and_it_is_not_renewed() -> None:
     clock, reasons = FakeClock(), []
     lock, renew = _held_lock(clock, reasons)
-    before = REGISTRY.get_sample_value("pw_lock_lost_total", {"reason": "stalled"}) or 0.0
+    before = REGISTRY.get_sample_value("payment_worker_lock_lost_total", {"reason": "stalled"}) or 0.0
     clock.sleep(9.0)
     assert lock._renew_tick("tok") == 1.0 and renew.calls == 1  # not yet: renewed
     clock.sleep(1.0)  # ten seconds without a word (blocked in a statement, a hung call)
     assert lock._renew_tick("tok") is None  # the watchdog stops
     assert renew.calls == 1  # and it did not renew: the key expires within one TTL
     assert lock.lost_reason == "stalled" and reasons == ["stalled"]
-    assert REGISTRY.get_sample_value("pw_lock_lost_total", {"reason": "stalled"}) == before + 1
+    assert REGISTRY.get_sample_value("payment_worker_lock_lost_total", {"reason": "stalled"}) == before + 1
     # once lost, always lost: progress reported afterwards changes nothing
     lock.progress()
     with pytest.raises(LockLost, match="stalled"):
