@@ -81,7 +81,9 @@ def worker_families() -> list[Family]:
     for obj in vars(metrics).values():
         if not isinstance(obj, MetricWrapperBase):
             continue
-        kind = {Counter: "counter", Gauge: "gauge", Histogram: "histogram", Summary: "summary"}[type(obj)]
+        kind = {Counter: "counter", Gauge: "gauge", Histogram: "histogram", Summary: "summary"}[
+            type(obj)
+        ]
         out.append(_family(obj._name, kind, "worker"))
     return out
 

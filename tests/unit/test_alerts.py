@@ -116,7 +116,9 @@ def test_every_alert_is_tested_firing_and_not_firing() -> None:
 
 def test_runbook_has_a_section_per_alert() -> None:
     if not RUNBOOK.exists():
-        pytest.skip("docs/runbook.md not written yet (issue 16's runbook); the links are checked then")
+        pytest.skip(
+            "docs/runbook.md not written yet (issue 16's runbook); the links are checked then"
+        )
     text = RUNBOOK.read_text()
     headings = {m.strip() for m in re.findall(r"^## (.+)$", text, re.M)}
     missing = ALERT_NAMES - headings

@@ -27,7 +27,12 @@ from tests.observability import sample_names
 ROOT = Path(__file__).resolve().parents[2]
 ENV_EXAMPLE = ROOT / ".env.example"
 # the secrets docker-compose.yml takes from the uncommitted .env (.env.example shows them)
-SECRETS = ("POSTGRES_PASSWORD", "GATEWAY_CLIENT_SECRET", "GRAFANA_ADMIN_PASSWORD", "FLOWER_BASIC_AUTH")
+SECRETS = (
+    "POSTGRES_PASSWORD",
+    "GATEWAY_CLIENT_SECRET",
+    "GRAFANA_ADMIN_PASSWORD",
+    "FLOWER_BASIC_AUTH",
+)
 _VARIABLE = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)(?::?([?-])([^}]*))?\}")
 
 
@@ -266,7 +271,11 @@ def test_secrets_come_from_the_uncommitted_env_file() -> None:
         assert example.get(secret), f".env.example does not show {secret}"
     assert names <= set(example), f".env.example lacks {sorted(names - set(example))}"
     # no literal secret left in the committed file
-    for literal in ("sim-secret", "payment_worker:payment_worker@", "POSTGRES_PASSWORD: payment_worker"):
+    for literal in (
+        "sim-secret",
+        "payment_worker:payment_worker@",
+        "POSTGRES_PASSWORD: payment_worker",
+    ):
         assert literal not in RAW_TEXT
     env = RAW["x-payment-worker"]["environment"]
     assert "${POSTGRES_PASSWORD:?" in env["DATABASE_URL"]
@@ -277,7 +286,9 @@ def test_secrets_come_from_the_uncommitted_env_file() -> None:
     if (ROOT / ".git").exists() and shutil.which("git"):
         check = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", ".env"], check=False)
         assert check.returncode == 0, ".env is not ignored by git"
-        check = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", ".env.example"], check=False)
+        check = subprocess.run(
+            ["git", "-C", str(ROOT), "check-ignore", "-q", ".env.example"], check=False
+        )
         assert check.returncode == 1, ".env.example must be committed"
 
 
@@ -319,7 +330,9 @@ def test_celery_exporter_and_flower_read_our_broker_on_their_own_ports() -> None
     assert flower["image"].startswith("mher/flower:")
     assert f"--broker={broker}" in flower["command"]
     assert flower["ports"] == ["5555:5555"]
-    assert flower["environment"]["FLOWER_BASIC_AUTH"], "Flower shows task arguments: it needs a login"
+    assert flower["environment"]["FLOWER_BASIC_AUTH"], (
+        "Flower shows task arguments: it needs a login"
+    )
     # celery-exporter's default port is no longer the workers' metrics port
     env = OURS["worker"]["environment"]
     assert len({9808, int(env["METRICS_PORT"]), int(env["EXPORTER_PORT"])}) == 3
@@ -342,7 +355,9 @@ def _compose_command() -> list[str]:
         if probe.returncode == 0:
             return ["docker", "compose"]
     if os.environ.get("CI") == "true":
-        pytest.fail("neither docker-compose nor docker compose in CI: .ci/run installs docker-compose")
+        pytest.fail(
+            "neither docker-compose nor docker compose in CI: .ci/run installs docker-compose"
+        )
     pytest.skip("docker-compose not installed (apt-get install docker-compose)")
 
 
@@ -366,7 +381,10 @@ def test_docker_compose_config_is_valid_and_refuses_missing_secrets(tmp_path: Pa
     rendered = yaml.safe_load(proc.stdout)
     assert set(rendered["services"]) == set(SERVICES)
     example = _env_file(ENV_EXAMPLE)
-    assert example["GATEWAY_CLIENT_SECRET"] == rendered["services"]["worker"]["environment"]["GATEWAY_CLIENT_SECRET"]
+    assert (
+        example["GATEWAY_CLIENT_SECRET"]
+        == rendered["services"]["worker"]["environment"]["GATEWAY_CLIENT_SECRET"]
+    )
     # a deploy that forgets a secret does not start
     empty = tmp_path / "empty.env"
     empty.write_text("# nothing\n")
