@@ -181,3 +181,44 @@ def test_metrics_doc_lists_every_metric_with_its_type() -> None:
     for name, fam in all_families().items():
         assert name in rows, f"docs/metrics.md has no row for {name}"
         assert rows[name] == fam.kind, f"{name}: docs say {rows[name]}, it is a {fam.kind}"
+
+
+def test_exporter_up_stat_evaluates_to_0_when_the_exporter_is_gone(tmp_path: Path) -> None:
+    # the stat's real expression, evaluated by promtool over input series for each case
+    (expr,) = next(_exprs(p) for p in _panels() if p["title"] == "Exporter up")
+    rules = {"groups": [{"name": "stat", "rules": [{"record": "exporter_up_stat", "expr": expr}]}]}
+    (tmp_path / "stat.yml").write_text(yaml.safe_dump(rules))
+    up = 'up{job="payment-worker-exporter", instance="exporter:9809"}'
+    read = 'payment_worker_exporter_up{job="payment-worker-exporter", instance="exporter:9809"}'
+    cases = {
+        "healthy": ([(up, "1x5"), (read, "1x5")], 1),
+        "cannot read Postgres": ([(up, "1x5"), (read, "0x5")], 0),
+        "target down (its series go stale)": ([(up, "0x5")], 0),
+        "never scraped at all": ([('up{job="payment-worker", instance="w:9810"}', "1x5")], 0),
+    }
+    tests = [
+        {
+            "name": name,
+            "interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in series],
+            "promql_expr_test": [
+                {
+                    "expr": "exporter_up_stat",
+                    "eval_time": "3m",
+                    "exp_samples": [{"labels": "exporter_up_stat", "value": want}],
+                }
+            ],
+        }
+        for name, (series, want) in cases.items()
+    ]
+    (tmp_path / "stat-tests.yml").write_text(
+        yaml.safe_dump({"rule_files": ["stat.yml"], "tests": tests})
+    )
+    proc = subprocess.run(
+        [promtool(), "test", "rules", str(tmp_path / "stat-tests.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
