@@ -283,6 +283,8 @@ def test_secrets_come_from_the_uncommitted_env_file() -> None:
     # .env is ignored by git (asked of git itself when this is a checkout)
     ignored = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()]
     assert ".env" in ignored
+    # nor sent to the Docker daemon with the build context
+    assert ".env" in (ROOT / ".dockerignore").read_text().split()
     if (ROOT / ".git").exists() and shutil.which("git"):
         check = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", ".env"], check=False)
         assert check.returncode == 0, ".env is not ignored by git"
