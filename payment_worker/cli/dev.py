@@ -11,11 +11,34 @@ import argparse
 from payment_worker.cli.common import Context
 
 
-def demo(args: argparse.Namespace, ctx: Context) -> int:
-    """``payment-worker demo [FILE]``: a worker and beat processing a sample batch file."""
-    from payment_worker.dev.demo import run_demo
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is less than 1")
+    return value
 
-    return run_demo(ctx.runtime(), args.file, workers=args.workers, timeout=args.timeout)
+
+def demo(args: argparse.Namespace, ctx: Context) -> int:
+    """``payment-worker demo [FILE] [--chaos] ...``: see :mod:`payment_worker.dev.demo`."""
+    from payment_worker.dev.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(
+        file=args.file,
+        accounts=args.accounts,
+        items=args.items,
+        workers=args.workers,
+        concurrency=args.concurrency,
+        chaos=args.chaos,
+        timeout=args.timeout,
+        json_report=args.json_report,
+        keep_services=args.keep_services,
+        seed=args.seed,
+    )
+    return run_demo(ctx.settings, ctx.runtime, opts)
 
 
 def gateway_sim(argv: list[str]) -> int:
