@@ -7,6 +7,8 @@ imports stay inside the functions so that no other command loads the dev tools.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from payment_worker.cli.common import Context
 
@@ -25,7 +27,14 @@ def positive_int(text: str) -> int:
 def demo(args: argparse.Namespace, ctx: Context) -> int:
     """``payment-worker demo [FILE] [--chaos] ...``: see :mod:`payment_worker.dev.demo`."""
     from payment_worker.dev.demo import DemoOptions, run_demo
+    from payment_worker.dev.demo_workload import batches_from_file
 
+    if args.file is not None:
+        try:  # a bad file is one line and exit code 2, before anything starts
+            batches_from_file(Path(args.file), "check")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"payment-worker demo: cannot use {args.file}: {exc}", file=sys.stderr)
+            return 2
     opts = DemoOptions(
         file=args.file,
         accounts=args.accounts,

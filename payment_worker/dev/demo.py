@@ -79,12 +79,9 @@ class DemoOptions:
     seed: int = 7
 
 
-class _Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, handled like Ctrl-C: stop everything, then exit."""
-
-
 def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise _Interrupted(signal.Signals(signum).name)
+    # SIGTERM or SIGHUP, handled like Ctrl-C: stop everything, then exit 130
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 @contextlib.contextmanager
@@ -433,7 +430,7 @@ def _follow(
         console=console,
         disable=not live,
     )
-    last_line = 0.0
+    last_line, last_text = 0.0, ""  # off a terminal: a line every 5 s, when it changed
     with progress:
         task = progress.add_task("", total=total)
         while True:
@@ -452,10 +449,10 @@ def _follow(
                 for e in chaos.events[printed[0] :]:
                     console.print(f"  chaos: {e}", highlight=False, soft_wrap=True)
                 printed[0] = len(chaos.events)
-            if not live and (finished or now - last_line >= 5.0):
-                line = f"  {done}/{total} final  {_counts_line(counts)}"
+            line = f"  {done}/{total} final  {_counts_line(counts)}"
+            if not live and line != last_text and (finished or now - last_line >= 5.0):
                 console.print(line, highlight=False, soft_wrap=True)
-                last_line = now
+                last_line, last_text = now, line
             if finished:
                 return counts
             time.sleep(0.5)

@@ -29,7 +29,8 @@ from payment_worker.db.reports import RunSummary
 from payment_worker.dev.demo_workload import Submission
 from payment_worker.dev.reconcile import Reconciliation
 
-Samples = dict[str, float]  # "name{label=value,...}" -> value
+# (sample name, its labels sorted) -> value
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def scrape(url: str, timeout: float = 1.0) -> Samples | None:
@@ -41,8 +42,7 @@ def scrape(url: str, timeout: float = 1.0) -> Samples | None:
     out: Samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = float(s.value)
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
     return out
 
 
@@ -74,13 +74,12 @@ class WorkerMetrics:
         return sum(self.by_label(name).values())
 
     def by_label(self, name: str) -> dict[str, float]:
-        """One counter summed over workers, per label set (``reason=x`` style keys)."""
+        """One counter summed over workers, per label values (joined by ``,``)."""
         out: dict[str, float] = {}
         for samples in self.last.values():
-            for key, value in samples.items():
-                metric, _, labels = key.partition("{")
+            for (metric, labels), value in samples.items():
                 if metric == name:
-                    label = labels.rstrip("}").split("=", 1)[-1] if labels != "}" else ""
+                    label = ",".join(v for _, v in labels)
                     out[label] = out.get(label, 0.0) + value
         return out
 
