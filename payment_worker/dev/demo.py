@@ -344,6 +344,7 @@ def _with_cluster(
                 workers=cluster.workers,
                 start_worker=start_worker,
                 started=lambda: done_now[0] > 0,
+                work_left=lambda: done_now[0] < total,
                 seed=opts.seed,
             )
             chaos.start()

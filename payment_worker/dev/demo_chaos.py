@@ -34,6 +34,7 @@ class Chaos(threading.Thread):
         workers: Callable[[], list[ManagedProcess]],
         start_worker: Callable[[], ManagedProcess],
         started: Callable[[], bool],
+        work_left: Callable[[], bool],
         seed: int = 7,
     ) -> None:
         super().__init__(name="demo-chaos", daemon=True)
@@ -43,6 +44,7 @@ class Chaos(threading.Thread):
         self._workers = workers
         self._start_worker = start_worker
         self._work_started = started
+        self._work_left = work_left
         self._rng = random.Random(seed)
         self._t0 = time.monotonic()
         self.stopping = threading.Event()
@@ -83,6 +85,17 @@ class Chaos(threading.Thread):
             proc.resume()
         return None
 
+    def _find_holder(self, patience: float = 30.0) -> tuple[ManagedProcess, int] | None:
+        """Look for a lock holder to stop until one is found, the work is done or
+        ``patience`` runs out. Right after a kill, no lock may be held for a while (the dead
+        holder's locks expire, then the sweeper gives the accounts out again)."""
+        deadline = time.monotonic() + patience
+        while time.monotonic() < deadline and self._work_left():
+            hit = self._stop_a_holder()
+            if hit is not None or not self._sleep(0.3):
+                return hit
+        return None
+
     def run(self) -> None:
         """The chaos schedule: wait for work in progress, kill, then pause."""
         try:
@@ -95,7 +108,7 @@ class Chaos(threading.Thread):
             if not self._sleep(0.2):
                 return
         self._t0 = time.monotonic()
-        hit = self._stop_a_holder()
+        hit = self._find_holder()
         if hit is None:
             self._event("kill skipped: no worker held an account lock")
         else:
@@ -109,7 +122,7 @@ class Chaos(threading.Thread):
             )
         if not self._sleep(0.5):
             return
-        hit = self._stop_a_holder()
+        hit = self._find_holder()
         if hit is None:
             self._event("pause skipped: no worker held an account lock")
             return
