@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml requirements/dev.lock
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-## The main job: a worker, beat and the gateway simulator on the embedded default; a sample batch file.
+## The main job end to end: workers, exporter and a faulty gateway simulator on the embedded default; a report (docs/quickstart.md).
 demo: $(STAMP)
 	$(BIN)/payment-worker demo
 

@@ -43,10 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
         "dlq", help="dead letters: list, show, replay, resolve (see --help)", add_help=False
     )
 
-    dm = sub.add_parser("demo", help="start a worker and beat, process a sample batch file")
-    dm.add_argument("file", nargs="?", default=None)
-    dm.add_argument("--workers", type=int, default=1)
-    dm.add_argument("--timeout", type=float, default=180.0)
+    dm = sub.add_parser(
+        "demo",
+        help="the service end to end: workers, exporter, a faulty gateway simulator, a report",
+        description="Runs a few hundred payments through real workers against the gateway "
+        "simulator with faults on, then reports what happened (0 double payments).",
+    )
+    dm.add_argument("file", nargs="?", default=None, help="a batch file instead of synthetic ones")
+    dm.add_argument("--accounts", type=dev.positive_int, default=6, help="default: 6")
+    dm.add_argument("--items", type=dev.positive_int, default=360, help="default: 360")
+    dm.add_argument("--workers", type=dev.positive_int, default=3, help="default: 3")
+    dm.add_argument("--concurrency", type=dev.positive_int, default=8, help="threads per worker")
+    dm.add_argument("--chaos", action="store_true", help="also kill and pause lock holders")
+    dm.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the items")
+    dm.add_argument("--json-report", metavar="PATH", help="also write the report as JSON")
+    dm.add_argument(
+        "--keep-services", action="store_true", help="leave embedded servers it started running"
+    )
+    dm.add_argument("--seed", type=int, default=7, help="the simulator's and chaos's seed")
     dm.set_defaults(func=dev.demo)
 
     sw = sub.add_parser("sweep", help="run one sweeper pass now")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Connection, text
 
 from payment_worker.db.models import OPEN_TX_PREDICATE
+from payment_worker.domain.statuses import TxStatus
 
 _TX_COUNTS_OF_BATCHES = text(
     "SELECT t.status, count(*) FROM transactions t JOIN batches b ON b.id = t.batch_pk "
@@ -106,3 +107,50 @@ def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnaps
         dead_letters_resolved={str(r.reason): int(r.resolved) for r in totals},
         oldest_open_dead_letter_age=max((float(r.oldest_open) for r in totals), default=0.0),
     )
+
+
+# --- payment-worker demo: what happened to the transactions of its batches --------------
+_RUN_BY_STATUS = text(
+    "SELECT t.status, count(*), coalesce(sum(t.attempts), 0), coalesce(sum(t.lookups), 0),"
+    " count(*) FILTER (WHERE t.lookups > 0) FROM transactions t"
+    " JOIN batches b ON b.id = t.batch_pk WHERE b.batch_id = ANY(:ids) GROUP BY t.status"
+)
+_RUN_DEAD_REASONS = text(
+    "SELECT d.reason, count(*) FROM dead_letters d JOIN transactions t ON t.id = d.transaction_pk"
+    " JOIN batches b ON b.id = t.batch_pk WHERE b.batch_id = ANY(:ids) GROUP BY d.reason"
+)
+_RUN_FAILED_ERRORS = text(
+    "SELECT coalesce(t.last_error_class, ''), min(coalesce(t.last_error, '')), count(*)"
+    " FROM transactions t JOIN batches b ON b.id = t.batch_pk"
+    " WHERE b.batch_id = ANY(:ids) AND t.status = :failed GROUP BY 1"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """The transactions of a set of batches: per status, why the dead and failed ones ended
+    so, and how many sends and lookups it took."""
+
+    by_status: dict[str, int]
+    dead_reasons: dict[str, int]
+    failed_errors: dict[str, tuple[str, int]]  # error class -> (an example message, count)
+    attempts: int
+    lookups: int
+    looked_up: dict[str, int]  # per status: transactions that needed at least one lookup
+
+
+def run_summary(conn: Connection, batch_ids: Sequence[str]) -> RunSummary:
+    """What happened to the transactions of the named batches (the demo's report)."""
+    ids = {"ids": list(batch_ids)}
+    by_status: dict[str, int] = {}
+    looked_up: dict[str, int] = {}
+    attempts = lookups = 0
+    for status, n, a, lk, with_lookup in conn.execute(_RUN_BY_STATUS, ids):
+        by_status[str(status)] = int(n)
+        looked_up[str(status)] = int(with_lookup)
+        attempts += int(a)
+        lookups += int(lk)
+    dead = {str(r): int(n) for r, n in conn.execute(_RUN_DEAD_REASONS, ids)}
+    rows = conn.execute(_RUN_FAILED_ERRORS, {**ids, "failed": TxStatus.FAILED.value})
+    failed = {str(c): (str(e), int(n)) for c, e, n in rows}
+    return RunSummary(by_status, dead, failed, attempts, lookups, looked_up)
