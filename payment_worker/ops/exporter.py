@@ -75,7 +75,9 @@ class PostgresStateCollector(Collector):
         for status, n in tx.items():
             g.add_metric([status], n)
         yield g
-        g = GaugeMetricFamily("payment_worker_batches", "Batches by current status.", labels=["status"])
+        g = GaugeMetricFamily(
+            "payment_worker_batches", "Batches by current status.", labels=["status"]
+        )
         for status, n in batches.items():
             g.add_metric([status], n)
         yield g
