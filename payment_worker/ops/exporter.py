@@ -4,8 +4,9 @@ Workers count what they do (ops/metrics.py); the exporter reports state that no 
 process owns: transactions and batches by status, in-doubt and pending items and their
 ages, open dead letters, accounts with work waiting (Postgres); messages waiting in the
 broker per queue and the delayed ones workers hold (ops/queue_depth.py); workers that answer
-a ping; and the producers' submission counts, which short-lived ``payment-worker submit``
-processes leave in Redis. One exporter serves any number of workers.
+a ping (sent beside the scrapes, every EXPORTER_CACHE_SECONDS); and the producers'
+submission counts, which short-lived ``payment-worker submit`` processes leave in Redis.
+One exporter serves any number of workers.
 
 Reads are cached: one round per ``EXPORTER_CACHE_SECONDS`` at most, whatever the number of
 scrapes (two Prometheus servers, reloads). Labels are bounded: statuses, reasons, queues,
@@ -175,12 +176,37 @@ def _broker(client: redis.Redis) -> Iterator[Metric]:
     )
 
 
-def _workers(ping: Callable[[], int]) -> Iterator[Metric]:
+def _workers(alive: int | None) -> Iterator[Metric]:
+    if alive is None:
+        raise RuntimeError("no ping answered yet, or the last one failed")
     yield _gauge(
         "payment_worker_workers_alive",
         "Celery workers that answered the exporter's ping.",
-        ping(),
+        alive,
     )
+
+
+class _Pinger(threading.Thread):
+    """Pings the workers every ``interval`` seconds beside the scrapes: a ping waits for its
+    whole timeout (Celery cannot know how many workers will answer), which must not count
+    against a scrape's own timeout. Holds the last count, None after a failure."""
+
+    def __init__(self, ping: Callable[[], int], interval: float) -> None:
+        super().__init__(name="exporter-ping", daemon=True)
+        self._ping = ping
+        self._interval = interval
+        self.alive: int | None = None
+        self.first = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.alive = self._ping()
+            except Exception as exc:  # reported as source_up{source="workers"} 0
+                self.alive = None
+                log.warning("exporter_ping_failed", error_class=type(exc).__name__)
+            self.first.set()
+            time.sleep(self._interval)
 
 
 class StateCollector(Collector):
@@ -193,6 +219,7 @@ class StateCollector(Collector):
         self._lock = threading.Lock()
         self._cached: list[Metric] = []
         self._read_at: float | None = None
+        self._pinger: _Pinger | None = None
 
     def describe(self) -> Iterable[Metric]:
         """No description up front: registering must not read anything."""
@@ -216,8 +243,13 @@ class StateCollector(Collector):
             ("broker", lambda: _broker(s.broker)),
         ]
         if s.ping is not None:
-            ping = s.ping
-            reads.append(("workers", lambda: _workers(ping)))
+            if self._pinger is None:
+                self._pinger = _Pinger(s.ping, max(self._cache_seconds, 1.0))
+                self._pinger.start()
+                # the first scrape waits for the first answers; later ones never wait
+                self._pinger.first.wait(PING_TIMEOUT_SECONDS + 5)
+            pinger = self._pinger
+            reads.append(("workers", lambda: _workers(pinger.alive)))
         out: list[Metric] = []
         source_up = GaugeMetricFamily(
             "payment_worker_exporter_source_up",

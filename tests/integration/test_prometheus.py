@@ -178,6 +178,18 @@ def _start_exporter(workdir: Path, env: dict[str, str]) -> tuple[ManagedProcess,
     return proc, port
 
 
+def _diagnosis(prom: Prometheus) -> str:
+    """What the targets said and how Prometheus saw them, for a failure message."""
+    targets = httpx.get(f"{prom.url}/api/v1/targets", timeout=10).json()["data"]
+    out = ["", "targets:"]
+    for t in targets["activeTargets"]:
+        out.append(f"  {t['scrapeUrl']} {t['health']} {t.get('lastError')!r}")
+        if "exporter" in t["labels"]["job"]:
+            body = httpx.get(t["scrapeUrl"], timeout=10).text
+            out += [f"    {line}" for line in body.splitlines() if not line.startswith("#")]
+    return "\n".join(out)
+
+
 def _pg_finished(conn: psycopg.Connection[Any]) -> dict[str, float]:
     rows = conn.execute("SELECT status, count(*) FROM transactions GROUP BY status").fetchall()
     counts = {str(s): float(n) for s, n in rows}
@@ -247,7 +259,7 @@ def test_dashboard_and_rules_evaluate_against_a_real_run(
             if not prom.query(f"group({name})") and name not in ABSENT_ALLOWED:
                 absent.add(f"{name} (in {where})")
     assert not empty, "expressions with no data:\n" + "\n".join(empty)
-    assert not absent, "metrics with no series:\n" + "\n".join(sorted(absent))
+    assert not absent, "metrics with no series:\n" + "\n".join(sorted(absent)) + _diagnosis(prom)
 
     if rules:
         # every rule was evaluated by Prometheus itself, without an error
