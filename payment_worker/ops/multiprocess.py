@@ -18,6 +18,7 @@ This module must not import ``prometheus_client`` at module level.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -123,6 +124,8 @@ def prepare_worker() -> Path | None:
         path.mkdir(mode=0o700, exist_ok=True)
         os.environ[ENV] = str(path)
         os.environ[_OWNED_ENV] = str(path)
+        # also when the worker ends before its shutdown signal (a bad setting at start)
+        atexit.register(remove_owned_dir)
     wipe(path)
     return path
 
@@ -133,7 +136,8 @@ def enabled() -> bool:
 
 
 def remove_owned_dir() -> None:
-    """At the worker's shutdown: remove the directory :func:`prepare_worker` made."""
+    """At the worker's shutdown: remove the directory :func:`prepare_worker` made (only in
+    the process that made it, never in a pool child)."""
     owned = os.environ.get(_OWNED_ENV)
-    if owned and os.environ.get(ENV) == owned:
+    if owned and os.environ.get(ENV) == owned and Path(owned).name == str(os.getpid()):
         shutil.rmtree(owned, ignore_errors=True)
