@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -184,20 +186,27 @@ def _worker_registry() -> CollectorRegistry:
     from prometheus_client import multiprocess as mp
 
     class LiveCollector(mp.MultiProcessCollector):
-        """Merges every process's files; a child that died without its shutdown hook
-        (SIGKILL, OOM) has its live gauges dropped first, so it stops counting as busy."""
+        """Merges every process's files. First, a child that died without its shutdown hook
+        (SIGKILL, OOM) has its live gauges dropped, so it stops counting as busy; and the
+        counters of ended children are folded into one archive file per type."""
+
+        def __init__(self, registry: CollectorRegistry) -> None:
+            super().__init__(registry)  # type: ignore[no-untyped-call]
+            self._lock = threading.Lock()
 
         def collect(self) -> Iterable[Metric]:
-            for entry in os.scandir(self._path):
-                pid = entry.name.removesuffix(".db").rpartition("_")[2]
-                live = entry.name.startswith("gauge_live") and pid.isdigit()
-                if live and not multiprocess.pid_alive(int(pid)):
-                    mp.mark_process_dead(int(pid), self._path)  # type: ignore[no-untyped-call]
-            found: Iterable[Metric] = super().collect()  # type: ignore[no-untyped-call]
-            return found
+            with self._lock:
+                for entry in os.scandir(self._path):
+                    pid = entry.name.removesuffix(".db").rpartition("_")[2]
+                    live = entry.name.startswith("gauge_live") and pid.isdigit()
+                    if live and not multiprocess.pid_alive(int(pid)):
+                        mp.mark_process_dead(int(pid), self._path)  # type: ignore[no-untyped-call]
+                multiprocess.compact_dead(Path(self._path))
+                found: Iterable[Metric] = super().collect()  # type: ignore[no-untyped-call]
+                return found
 
     registry = CollectorRegistry()
-    LiveCollector(registry)  # type: ignore[no-untyped-call]
+    LiveCollector(registry)
     return registry
 
 

@@ -130,6 +130,59 @@ def prepare_worker() -> Path | None:
     return path
 
 
+def _pid_of(path: Path) -> int | None:
+    pid = path.stem.rpartition("_")[2]
+    return int(pid) if pid.isdigit() else None
+
+
+def compact_dead(path: Path) -> int:
+    """Fold the counter and histogram files of processes that have ended into one archive
+    file per type, so that a worker recycling its pool children (worker_max_tasks_per_child)
+    does not make every scrape read a file per child that ever lived. Their counts stay in
+    the sums. Only the process that serves ``/metrics`` calls it, one call at a time.
+    Returns how many files were folded."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    me = os.getpid()
+    folded = 0
+    for typ in ("counter", "histogram"):
+        dead = [
+            f
+            for f in path.glob(f"{typ}_*.db")
+            if (pid := _pid_of(f)) is not None and pid != me and not pid_alive(pid)
+        ]
+        if not dead:
+            continue
+        archive = path / f"{typ}_archive.db"
+        inputs = [archive, *dead] if archive.exists() else dead
+        # not cumulated: histogram buckets are stored per bucket, as each process writes them
+        merged = MultiProcessCollector.merge(  # type: ignore[no-untyped-call]
+            [str(f) for f in inputs], accumulate=False
+        )
+        tmp = path / f"{typ}_archive.tmp"  # not *.db: a scrape never reads it half written
+        tmp.unlink(missing_ok=True)
+        out = MmapedDict(str(tmp))  # type: ignore[no-untyped-call]
+        try:
+            for metric in merged:
+                for sample in metric.samples:
+                    key = mmap_key(
+                        metric.name,
+                        sample.name,
+                        list(sample.labels),
+                        list(sample.labels.values()),
+                        metric.documentation,
+                    )
+                    out.write_value(key, sample.value, 0.0)  # type: ignore[no-untyped-call]
+        finally:
+            out.close()  # type: ignore[no-untyped-call]
+        os.replace(tmp, archive)
+        for f in dead:
+            f.unlink(missing_ok=True)
+        folded += len(dead)
+    return folded
+
+
 def enabled() -> bool:
     """Whether this process writes its metrics in multiprocess mode."""
     return bool(os.environ.get(ENV))

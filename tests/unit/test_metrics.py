@@ -107,16 +107,15 @@ print(generate_latest(metrics._worker_registry()).decode())
 """
 
 
-def _scrape(env: dict[str, str]) -> dict[str, float]:
+def _scrape(env: dict[str, str], *prefixes: str) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, "-c", _SCRAPE], env=env, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     found = {}
     for line in out.stdout.splitlines():
-        if line.startswith(
-            ("payment_worker_batches_in_progress ", "payment_worker_transactions_f")
-        ):
+        wanted = ("payment_worker_batches_in_progress ", "payment_worker_transactions_f", *prefixes)
+        if line.startswith(wanted):
             name, value = line.rsplit(" ", 1)
             found[name] = float(value)
     return found
@@ -160,3 +159,37 @@ def test_delayed_messages_are_the_unacked_ones_still_due_later() -> None:
         "payments\x06\x166",
         "payments\x06\x169",
     ]
+
+
+_ENDED_CHILD = """
+from payment_worker.ops import metrics
+metrics.TRANSACTIONS_FINISHED.labels("failed").inc(2)
+metrics.BATCH_SECONDS.observe(0.07)
+metrics.BATCH_SECONDS.observe(3.0)
+"""
+
+
+def test_ended_processes_are_folded_into_one_archive_and_still_counted(tmp_path: Path) -> None:
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for _ in range(3):  # three pool children that each ran and ended (recycled)
+        done = subprocess.run([sys.executable, "-c", _ENDED_CHILD], env=env, timeout=60)
+        assert done.returncode == 0
+    children = sorted(tmp_path.glob("counter_*.db"))
+    assert len(children) == 3
+    first = _scrape(env, "payment_worker_batch_processing_seconds")
+    # one archive per type instead of a file per ended child
+    assert sorted(p.name for p in tmp_path.glob("*.db") if "archive" in p.name) == [
+        "counter_archive.db",
+        "histogram_archive.db",
+    ]
+    assert not [p for p in children if p.exists()]
+    # another child ends; the archive grows, nothing is lost or counted twice
+    assert subprocess.run([sys.executable, "-c", _ENDED_CHILD], env=env, timeout=60).returncode == 0
+    second = _scrape(env, "payment_worker_batch_processing_seconds")
+    failed = 'payment_worker_transactions_finished_total{status="failed"}'
+    assert first[failed] == 6 and second[failed] == 8
+    assert first["payment_worker_batch_processing_seconds_count"] == 6
+    assert second["payment_worker_batch_processing_seconds_count"] == 8
+    assert second['payment_worker_batch_processing_seconds_bucket{le="0.1"}'] == 4
+    assert second['payment_worker_batch_processing_seconds_bucket{le="+Inf"}'] == 8
+    assert second["payment_worker_batch_processing_seconds_sum"] == pytest.approx(4 * 3.07)
