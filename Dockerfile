@@ -36,6 +36,6 @@ RUN useradd --create-home --uid 10001 app
 USER app
 WORKDIR /home/app
 ENV PAYMENT_WORKER_HOME=/home/app/.payment-worker
-EXPOSE 9808 9809 8700
+EXPOSE 9810 9809 8700
 ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["payment-worker", "--help"]

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from payment_worker.ops import multiprocess as _multiprocess
+
 __all__ = ["app", "submit_batch"]
 __version__ = "0.1.0"
+
+# in `celery ... worker` only, and before anything imports prometheus_client: the worker's
+# metrics in multiprocess mode, whatever its pool (ops/multiprocess.py)
+_multiprocess.prepare_worker()
 
 
 def __getattr__(name: str) -> Any:

@@ -42,6 +42,10 @@ Each entry: key (type, TTL): what it holds; who writes it.
     per interval however many processes tick.
 ``{prefix}:submit:{batch_id}`` (string, ``DEDUP_WINDOW_SECONDS``)
     The producer's dedup window; value: the batch's content fingerprint. The producer.
+``{prefix}:submissions`` (hash, no TTL)
+    Submissions counted by result: ``accepted``, ``duplicate``, ``rejected`` -> count
+    (``HINCRBY``). The producer (any process that submits); ``payment-worker exporter``
+    serves them as ``payment_worker_submissions_total``.
 
 ``{acct}`` above is the literal hash tag: the account id between braces. The sweeper's keys
 and the dedup window are not per account and have no hash tag.
@@ -117,3 +121,7 @@ class RedisKeys:
     def submit_dedup(self, batch_id: str) -> str:
         """The dedup window of a submitted batch id (no hash tag: not per account)."""
         return f"{self.prefix}:submit:{batch_id}"
+
+    def submissions(self) -> str:
+        """Submission counts by result (a hash), read by the exporter."""
+        return f"{self.prefix}:submissions"

@@ -128,8 +128,11 @@ class Settings(BaseSettings):
     max_amount: int = Field(10**15, gt=0)
 
     # --- observability --------------------------------------------------------------------
-    metrics_port: int = Field(9808, ge=0, le=65535)
+    # 9808 is celery-exporter's default: ours must not collide with it on one host
+    metrics_port: int = Field(9810, ge=0, le=65535)
     exporter_port: int = Field(9809, ge=0, le=65535)
+    # the exporter queries Postgres and Redis at most once per this long (scrapes share it)
+    exporter_cache_seconds: float = Field(10.0, ge=0)
     log_level: str = "INFO"
     log_json: bool = False
 

@@ -17,9 +17,16 @@ def sweep(_: argparse.Namespace, ctx: Context) -> int:
 
 
 def exporter(args: argparse.Namespace, ctx: Context) -> int:
-    """``payment-worker exporter [--host H] [--port P]``: serve the Postgres state gauges."""
-    from payment_worker.ops.exporter import serve
+    """``payment-worker exporter [--host H] [--port P]``: serve the state gauges (Postgres,
+    the broker's queues, workers alive, submissions)."""
+    import redis
+
+    from payment_worker.ops.exporter import Sources, celery_ping, serve
 
     port = args.port if args.port is not None else ctx.settings.exporter_port
-    serve(port, ctx.runtime().engine, host=args.host)
+    rt = ctx.runtime()
+    # short timeouts: a broker that hangs costs one scrape's figures, never the endpoint
+    broker = redis.Redis.from_url(rt.urls.broker, socket_timeout=5, socket_connect_timeout=3)
+    sources = Sources(rt.engine, rt.redis, broker, rt.keys, ping=celery_ping)
+    serve(port, sources, ctx.settings.exporter_cache_seconds, host=args.host)
     return 0

@@ -105,7 +105,7 @@ def submit(args: argparse.Namespace, ctx: Context) -> int:
     enqueue = True
     for doc in documents:
         if isinstance(doc, InputError):
-            result = reject_unreadable(str(doc))
+            result = reject_unreadable(str(doc), rt)
         else:
             try:
                 result, failed = submit_one(doc, rt, enqueue=enqueue)

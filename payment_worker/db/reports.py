@@ -31,19 +31,28 @@ _TX_STATUSES_OF_BATCHES = text(
 
 _TX_BY_STATUS = text("SELECT status, count(*) FROM transactions GROUP BY status")
 _BATCHES_BY_STATUS = text("SELECT status, count(*) FROM batches GROUP BY status")
-_OPEN_DEAD_LETTERS = text("SELECT count(*) FROM dead_letters WHERE resolved_at IS NULL")
-# the dlq tooling's totals, by reason: replays (replay_count summed) and resolutions (by hand
-# or by a replay that finished); monotonic as long as dead letters are never deleted
+# the dlq tooling's totals, by reason: open now, replays (replay_count summed) and resolutions
+# (by hand or by a replay that finished; monotonic as long as dead letters are never
+# deleted), and the age of the oldest open one
 _DEAD_LETTER_TOTALS = text(
-    "SELECT reason, coalesce(sum(replay_count), 0) AS replayed,"
+    "SELECT reason, count(*) FILTER (WHERE resolved_at IS NULL) AS open,"
+    " coalesce(sum(replay_count), 0) AS replayed,"
     " count(*) FILTER (WHERE resolved_at IS NOT NULL) AS resolved,"
     " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE resolved_at IS NULL)), 0)"
     " AS oldest_open FROM dead_letters GROUP BY reason"
 )
-# spelled like the predicate of the partial indexes on open transactions, so they apply
-_OLDEST_OPEN_AGE = text(
-    "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0) FROM transactions"
-    f" WHERE {OPEN_TX_PREDICATE}"
+# open transactions in one pass, spelled like the predicate of the partial indexes on them:
+# in doubt (unknown; its clock is doubt_since), the oldest pending, the oldest of all, and
+# the accounts that have any
+_OPEN_WORK = text(
+    "SELECT count(*) FILTER (WHERE status = 'unknown') AS in_doubt,"
+    " coalesce(extract(epoch FROM now() - min(coalesce(doubt_since, updated_at))"
+    " FILTER (WHERE status = 'unknown')), 0) AS oldest_in_doubt,"
+    " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)"
+    " AS oldest_pending,"
+    " coalesce(extract(epoch FROM now() - min(created_at)), 0) AS oldest_open,"
+    " count(DISTINCT account_id) AS accounts"
+    f" FROM transactions WHERE {OPEN_TX_PREDICATE}"
 )
 
 
@@ -74,15 +83,18 @@ def transaction_statuses(
 
 @dataclass(frozen=True, slots=True)
 class StateSnapshot:
-    """What the database holds right now (the exporter's gauges)."""
+    """What the database holds right now (the exporter's gauges). Per-status and per-reason
+    maps leave out what has none; ages are in seconds, 0 when there is nothing."""
 
-    transactions: dict[str, int]  # per status; statuses without any left out
-    batches: dict[str, int]  # per status; statuses without any left out
-    dead_letters_open: int
-    oldest_open_age: (
-        float  # seconds since the oldest non-terminal transaction was created; 0 if none
-    )
-    # per reason: dead letters replayed (replays counted), resolved, and the oldest open age
+    transactions: dict[str, int]
+    batches: dict[str, int]
+    oldest_open_age: float  # the oldest non-terminal transaction, since it was created
+    in_doubt: int = 0  # transactions whose outcome is unknown (status unknown)
+    oldest_in_doubt_age: float = 0.0  # since its oldest send in doubt (doubt_since)
+    oldest_pending_age: float = 0.0  # the oldest transaction never sent, since created
+    accounts_waiting: int = 0  # accounts with at least one non-terminal transaction
+    # per reason: dead letters open, replayed (replays counted), resolved
+    dead_letters_open: dict[str, int] = field(default_factory=dict)
     dead_letters_replayed: dict[str, int] = field(default_factory=dict)
     dead_letters_resolved: dict[str, int] = field(default_factory=dict)
     oldest_open_dead_letter_age: float = 0.0
@@ -95,14 +107,17 @@ def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnaps
     conn.execute(text("SET LOCAL transaction_read_only = on"))
     tx = {str(s): int(n) for s, n in conn.execute(_TX_BY_STATUS)}
     batches = {str(s): int(n) for s, n in conn.execute(_BATCHES_BY_STATUS)}
-    dead_open = int(conn.execute(_OPEN_DEAD_LETTERS).scalar_one())
-    oldest = float(conn.execute(_OLDEST_OPEN_AGE).scalar_one())
+    work = conn.execute(_OPEN_WORK).one()
     totals = conn.execute(_DEAD_LETTER_TOTALS).all()
     return StateSnapshot(
         tx,
         batches,
-        dead_open,
-        oldest,
+        float(work.oldest_open),
+        in_doubt=int(work.in_doubt),
+        oldest_in_doubt_age=float(work.oldest_in_doubt),
+        oldest_pending_age=float(work.oldest_pending),
+        accounts_waiting=int(work.accounts),
+        dead_letters_open={str(r.reason): int(r.open) for r in totals if r.open},
         dead_letters_replayed={str(r.reason): int(r.replayed) for r in totals},
         dead_letters_resolved={str(r.reason): int(r.resolved) for r in totals},
         oldest_open_dead_letter_age=max((float(r.oldest_open) for r in totals), default=0.0),

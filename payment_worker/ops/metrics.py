@@ -1,12 +1,31 @@
-"""Every Prometheus metric of the service, in one place.
+"""Every Prometheus metric of the service, in one place, and the worker's ``/metrics``.
 
 Names are in base units with ``_total`` counters; labels are bounded (never an account,
-batch or payment id). docs/metrics.md lists them.
+batch or payment id). docs/metrics.md lists them. The label values alerts and panels use
+are created at import (:func:`preset`), so a series exists at 0 from the start and
+``increase(...) > 0`` sees the first event after a restart.
+
+A Celery worker runs prometheus-client's multiprocess mode whatever its pool
+(:mod:`payment_worker.ops.multiprocess` switches it on before this module is imported):
+every Gauge here needs a ``multiprocess_mode`` (``livesum``: the live processes' values
+added up, ``max``...), never the default ``all`` (one series per pid).
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import os
+import sys
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+
+from payment_worker.domain.statuses import DeadReason
+from payment_worker.gateway.outcomes import Outcome
+from payment_worker.ops import multiprocess
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -18,15 +37,20 @@ LOCK_ACQUIRE_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 LOCK_CONTENTION = Counter(
-    "payment_worker_lock_contention_total", "Lock attempts that found the account lock held by another owner."
+    "payment_worker_lock_contention_total",
+    "Lock attempts that found the account lock held by another owner.",
 )
-LOCK_RENEWALS = Counter("payment_worker_lock_renewals_total", "Watchdog renewals of account locks.", ["result"])
+LOCK_RENEWALS = Counter(
+    "payment_worker_lock_renewals_total", "Watchdog renewals of account locks.", ["result"]
+)
 LOCK_LOST = Counter("payment_worker_lock_lost_total", "Account locks lost while held.", ["reason"])
 LOCK_RELEASE_NOT_OWNER = Counter(
-    "payment_worker_lock_release_not_owner_total", "Releases that found the lock no longer ours (no-op)."
+    "payment_worker_lock_release_not_owner_total",
+    "Releases that found the lock no longer ours (no-op).",
 )
 FENCING_REJECTIONS = Counter(
-    "payment_worker_fencing_rejections_total", "State writes rejected because a newer fencing token exists."
+    "payment_worker_fencing_rejections_total",
+    "State writes rejected because a newer fencing token exists.",
 )
 
 # --- gateway ----------------------------------------------------------------------------
@@ -42,7 +66,9 @@ GATEWAY_REQUEST_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 GATEWAY_TOKEN_REFRESHES = Counter(
-    "payment_worker_gateway_token_refreshes_total", "Access tokens fetched from the gateway.", ["result"]
+    "payment_worker_gateway_token_refreshes_total",
+    "Access tokens fetched from the gateway.",
+    ["result"],
 )
 GATEWAY_RATE_LIMITED = Counter(
     "payment_worker_gateway_rate_limited_total", "HTTP 429 answers from the gateway.", ["endpoint"]
@@ -60,12 +86,18 @@ GATEWAY_PACING_WAIT_SECONDS = Histogram(
 
 # --- processing ---------------------------------------------------------------------------
 TRANSACTIONS_FINISHED = Counter(
-    "payment_worker_transactions_finished_total", "Transactions that reached a terminal state.", ["status"]
+    "payment_worker_transactions_finished_total",
+    "Transactions that reached a terminal state.",
+    ["status"],
 )
 TRANSACTION_RETRIES = Counter(
-    "payment_worker_transaction_retries_total", "Transactions scheduled for another attempt.", ["reason"]
+    "payment_worker_transaction_retries_total",
+    "Transactions scheduled for another attempt.",
+    ["reason"],
 )
-LOOKUPS = Counter("payment_worker_gateway_lookups_total", "Lookups of unknown outcomes.", ["result"])
+LOOKUPS = Counter(
+    "payment_worker_gateway_lookups_total", "Lookups of unknown outcomes.", ["result"]
+)
 DEAD_LETTERS = Counter("payment_worker_dead_letters_total", "Dead-letter rows written.", ["reason"])
 # dlq replay/resolve, counted where they run. The dlq command is a short process that serves
 # no /metrics, so the exporter reports the same names from Postgres (the totals that count)
@@ -76,7 +108,9 @@ DEAD_LETTERS_RESOLVED = Counter(
     "payment_worker_dead_letters_resolved_total", "Dead letters resolved by hand.", ["reason"]
 )
 TASK_EXECUTIONS = Counter(
-    "payment_worker_task_executions_total", "process_account_batch executions by result.", ["result"]
+    "payment_worker_task_executions_total",
+    "process_account_batch executions by result.",
+    ["result"],
 )
 BATCH_SECONDS = Histogram(
     "payment_worker_batch_processing_seconds",
@@ -84,7 +118,9 @@ BATCH_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
 SWEEPS = Counter("payment_worker_sweeps_total", "Sweeper passes.", ["result"])
-SWEEP_REENQUEUED = Counter("payment_worker_sweep_reenqueued_total", "Batches re-enqueued by the sweeper.")
+SWEEP_REENQUEUED = Counter(
+    "payment_worker_sweep_reenqueued_total", "Batches re-enqueued by the sweeper."
+)
 IN_PROGRESS = Gauge(
     "payment_worker_batches_in_progress",
     "Batches being processed by this process.",
@@ -99,5 +135,104 @@ SUBMIT_DUPLICATES = Counter(
     "payment_worker_submit_duplicates_total", "Duplicate submissions caught, by layer.", ["layer"]
 )
 ENQUEUE_FAILURES = Counter(
-    "payment_worker_enqueue_failures_total", "Broker publishes that failed (the sweeper enqueues later)."
+    "payment_worker_enqueue_failures_total",
+    "Broker publishes that failed (the sweeper enqueues later).",
 )
+
+
+# --- label values created at 0 (what alerts and panels select on) -------------------------
+GATEWAY_ENDPOINTS = ("create", "lookup")
+LOCK_LOST_REASONS = ("expired", "stolen", "unreachable", "deadline", "stalled")
+DEAD_LETTER_REASONS = (*(r.value for r in DeadReason), "task_crashed")
+TASK_RESULTS = ("processed", "idle", "contended", "lock_lost", "fenced_out", "missing")
+SUBMIT_RESULTS = ("accepted", "duplicate", "rejected")
+
+_PRESETS: tuple[tuple[MetricWrapperBase, tuple[tuple[str, ...], ...]], ...] = (
+    (LOCK_ACQUIRE_SECONDS, tuple((r,) for r in ("acquired", "busy", "timeout", "error"))),
+    (LOCK_RENEWALS, (("ok",), ("lost",), ("error",))),
+    (LOCK_LOST, tuple((r,) for r in LOCK_LOST_REASONS)),
+    (GATEWAY_REQUESTS, tuple((e, o.value) for e in GATEWAY_ENDPOINTS for o in Outcome)),
+    (GATEWAY_REQUEST_SECONDS, tuple((e,) for e in GATEWAY_ENDPOINTS)),
+    (GATEWAY_TOKEN_REFRESHES, (("ok",), ("transport_error",))),
+    (GATEWAY_RATE_LIMITED, tuple((e,) for e in GATEWAY_ENDPOINTS)),
+    (GATEWAY_UNAUTHORIZED, tuple((e,) for e in GATEWAY_ENDPOINTS)),
+    (TRANSACTIONS_FINISHED, (("succeeded",), ("failed",), ("dead",))),
+    (TRANSACTION_RETRIES, (("retryable",), ("unknown",))),
+    (LOOKUPS, tuple((o.value,) for o in Outcome)),
+    (DEAD_LETTERS, tuple((r,) for r in DEAD_LETTER_REASONS)),
+    (DEAD_LETTERS_REPLAYED, tuple((r,) for r in DEAD_LETTER_REASONS)),
+    (DEAD_LETTERS_RESOLVED, tuple((r,) for r in DEAD_LETTER_REASONS)),
+    (TASK_EXECUTIONS, tuple((r,) for r in TASK_RESULTS)),
+    (SWEEPS, (("ok",), ("skipped",), ("broker_error",))),
+    (BATCHES_SUBMITTED, tuple((r,) for r in SUBMIT_RESULTS)),
+    (SUBMIT_DUPLICATES, (("redis",), ("postgres",))),
+)
+
+
+def preset(presets: Iterable[tuple[MetricWrapperBase, tuple[tuple[str, ...], ...]]]) -> None:
+    """Create each labelled child at 0: the series exists before its first event."""
+    for metric, values in presets:
+        for labels in values:
+            metric.labels(*labels)
+
+
+preset(_PRESETS)
+
+
+# --- the worker's /metrics -----------------------------------------------------------------
+def _worker_registry() -> CollectorRegistry:
+    if not multiprocess.enabled():
+        return REGISTRY  # the process's own counters (not a Celery worker, or an old setup)
+    from prometheus_client import multiprocess as mp
+
+    class LiveCollector(mp.MultiProcessCollector):
+        """Merges every process's files. First, a child that died without its shutdown hook
+        (SIGKILL, OOM) has its live gauges dropped, so it stops counting as busy; and the
+        counters of ended children are folded into one archive file per type."""
+
+        def __init__(self, registry: CollectorRegistry) -> None:
+            super().__init__(registry)  # type: ignore[no-untyped-call]
+            self._lock = threading.Lock()
+
+        def collect(self) -> Iterable[Metric]:
+            with self._lock:
+                for entry in os.scandir(self._path):
+                    pid = entry.name.removesuffix(".db").rpartition("_")[2]
+                    live = entry.name.startswith("gauge_live") and pid.isdigit()
+                    if live and not multiprocess.pid_alive(int(pid)):
+                        mp.mark_process_dead(int(pid), self._path)  # type: ignore[no-untyped-call]
+                multiprocess.compact_dead(Path(self._path))
+                found: Iterable[Metric] = super().collect()  # type: ignore[no-untyped-call]
+                return found
+
+    registry = CollectorRegistry()
+    LiveCollector(registry)
+    return registry
+
+
+def serve_worker_metrics(port: int, host: str = "") -> None:
+    """The worker's ``/metrics`` on ``port`` (0: off), served by the worker's main process
+    for all its pool processes. A port that cannot be bound ends the worker: one line on
+    stderr, exit code 1 (a second worker on the host needs its own METRICS_PORT)."""
+    if not port:
+        return
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, addr=host or "0.0.0.0", registry=_worker_registry())
+    except OSError as exc:
+        print(
+            f"payment-worker: cannot serve metrics on METRICS_PORT={port}: {exc.strerror or exc}"
+            " (give each worker on a host its own port, or 0 to turn metrics off)",
+            file=sys.stderr,
+        )
+        multiprocess.remove_owned_dir()
+        raise SystemExit(1) from None
+
+
+def process_exited(pid: int | None = None) -> None:
+    """A pool process ends: its live gauges stop counting (its counters stay summed in)."""
+    if multiprocess.enabled():
+        from prometheus_client import multiprocess as mp
+
+        mp.mark_process_dead(pid or os.getpid())  # type: ignore[no-untyped-call]

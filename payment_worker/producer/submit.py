@@ -85,6 +85,21 @@ def submit_one(raw: object, rt: Runtime, *, enqueue: bool) -> tuple[SubmitResult
     """One submission of anything (JSON text, or a decoded JSON value of any type), as
     :func:`submit_batch`; the bool says whether a publish was tried and failed, so that a
     caller with more batches can stop trying the broker."""
+    result, failed = _submit_one(raw, rt, enqueue=enqueue)
+    record_submission(rt, result.status)
+    return result, failed
+
+
+def record_submission(rt: Runtime, status: Status) -> None:
+    """Count one submission where the exporter reads it (a Redis hash): the producer is
+    often a short process nobody scrapes. Best effort: the submission stands either way."""
+    try:
+        rt.dedup_redis.hincrby(rt.keys.submissions(), status, 1)
+    except redis.RedisError as exc:
+        log.warning("submission_not_counted", status=status, error=str(exc))
+
+
+def _submit_one(raw: object, rt: Runtime, *, enqueue: bool) -> tuple[SubmitResult, bool]:
     data: Any
     if isinstance(raw, str | bytes):
         try:
@@ -160,10 +175,13 @@ def submit_one(raw: object, rt: Runtime, *, enqueue: bool) -> tuple[SubmitResult
     return _counted(SubmitResult(batch.batch_id, "accepted", count)), failed
 
 
-def reject_unreadable(message: str) -> SubmitResult:
+def reject_unreadable(message: str, rt: Runtime | None = None) -> SubmitResult:
     """The (counted) answer for a batch that could not even be read as JSON: ``batch_id``
-    null, one error at ``$`` saying why."""
-    return _rejected(None, 0, [{"path": "$", "message": message}])
+    null, one error at ``$`` saying why; counted for the exporter too when ``rt`` is given."""
+    result = _rejected(None, 0, [{"path": "$", "message": message}])
+    if rt is not None:
+        record_submission(rt, result.status)
+    return result
 
 
 def _rejected(batch_id: str | None, items: int, errors: list[dict[str, str]]) -> SubmitResult:

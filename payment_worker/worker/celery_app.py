@@ -11,10 +11,16 @@ import sys
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init, worker_process_init
+from celery.signals import (
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 
 from payment_worker import runtime
 from payment_worker.embedded import EmbeddedError
+from payment_worker.ops import multiprocess
 from payment_worker.settings import SettingsError
 from payment_worker.worker.celery_config import build_config
 
@@ -49,16 +55,24 @@ def _after_fork(**_: Any) -> None:
 
 @worker_init.connect
 def _worker_init(**_: Any) -> None:
-    # structured logs, and this worker process's /metrics on METRICS_PORT (0: off)
-    from payment_worker.ops.logging import configure_logging, get_logger
+    # structured logs, and the worker's /metrics on METRICS_PORT (0: off) for all its pool
+    # processes, served by this main process; a busy port ends the worker (one line)
+    from payment_worker.ops.logging import configure_logging
+    from payment_worker.ops.metrics import serve_worker_metrics
 
     s = runtime.current().settings
     configure_logging(s.log_level, s.log_json)
-    if s.metrics_port:
-        from prometheus_client import start_http_server
+    serve_worker_metrics(s.metrics_port)
 
-        try:
-            start_http_server(s.metrics_port)
-        except OSError as exc:
-            # several workers on one host: give each its own METRICS_PORT
-            get_logger("worker").warning("metrics_port_busy", port=s.metrics_port, error=str(exc))
+
+@worker_process_shutdown.connect
+def _child_exit(pid: int | None = None, **_: Any) -> None:
+    # a prefork child ends: its live gauges (batches in progress) stop counting
+    from payment_worker.ops.metrics import process_exited
+
+    process_exited(pid)
+
+
+@worker_shutdown.connect
+def _worker_shutdown(**_: Any) -> None:
+    multiprocess.remove_owned_dir()

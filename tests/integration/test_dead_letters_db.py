@@ -168,6 +168,8 @@ def test_the_state_snapshot_counts_replays_resolutions_and_the_oldest_open(
         snap = state_snapshot(c, statement_timeout_ms=5000)
     assert snap.dead_letters_replayed == {"retries_exhausted": 1, "key_conflict": 0}
     assert snap.dead_letters_resolved == {"retries_exhausted": 0, "key_conflict": 1}
+    # a replayed dead letter stays open until its item finishes
+    assert snap.dead_letters_open == {"retries_exhausted": 1, "key_conflict": 1}
     assert 3600 <= snap.oldest_open_dead_letter_age < 3700
 
 

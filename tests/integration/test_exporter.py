@@ -1,7 +1,12 @@
-"""The exporter process serves gauges read from the test's own Postgres database."""
+"""The exporter process serves gauges read from the test's own Postgres, Redis and broker:
+state by status, in-doubt and pending ages, open dead letters by reason, accounts waiting,
+queue depth (waiting and delayed), workers alive and the producers' submission counts;
+reads are cached (one round per EXPORTER_CACHE_SECONDS)."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -13,11 +18,16 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import psycopg
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, event
 
+from payment_worker import runtime
+from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.domain.statuses import TxStatus
-from payment_worker.ops.exporter import PostgresStateCollector
+from payment_worker.ops.exporter import Sources, StateCollector
+from payment_worker.worker.queueing import enqueue_batch
+from tests.conftest import PwEnv, wait_until
 
 
 def _free_port() -> int:
@@ -39,7 +49,8 @@ def _args(port: int) -> list[str]:
 
 
 def _seed(conn: psycopg.Connection[Any]) -> None:
-    """Two batches; transactions in five states, one open for an hour; one open dead letter."""
+    """Two batches; transactions in five states, one open for an hour, one in doubt for 20
+    minutes; one open dead letter and one resolved."""
     conn.execute(
         "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
         " VALUES ('b1', 'acct-1', 'f1', 'processing', 5), ('b2', 'acct-2', 'f2', 'completed', 2)"
@@ -47,7 +58,7 @@ def _seed(conn: psycopg.Connection[Any]) -> None:
     rows = [
         ("b1", "acct-1", "t1", "pending", "1 hour"),
         ("b1", "acct-1", "t2", "pending", "0 seconds"),
-        ("b1", "acct-1", "t3", "unknown", "10 minutes"),
+        ("b1", "acct-1", "t3", "unknown", "30 minutes"),
         ("b1", "acct-1", "t4", "dead", "2 hours"),  # older, but terminal: not counted as open
         ("b1", "acct-1", "t5", "retryable", "1 minute"),
         ("b2", "acct-2", "t1", "succeeded", "3 hours"),
@@ -62,12 +73,28 @@ def _seed(conn: psycopg.Connection[Any]) -> None:
             (account, tx, f"{account}:{tx}", status, age, batch),
         )
     conn.execute(
+        "UPDATE transactions SET doubt_since = now() - interval '20 minutes'"
+        " WHERE transaction_id = 't3'"
+    )
+    conn.execute(
         "INSERT INTO dead_letters (transaction_pk, reason, resolved_at)"
-        " SELECT id, 'retries exhausted', NULL FROM transactions WHERE transaction_id = 't4'"
+        " SELECT id, 'retries_exhausted', NULL FROM transactions WHERE transaction_id = 't4'"
     )
     conn.execute(
         "INSERT INTO dead_letters (batch_pk, reason, resolved_at)"
-        " SELECT id, 'old', now() FROM batches WHERE batch_id = 'b2'"
+        " SELECT id, 'task_crashed', now() FROM batches WHERE batch_id = 'b2'"
+    )
+
+
+def start_exporter(port: int, cache_seconds: float = 0) -> subprocess.Popen[str]:
+    """``payment-worker exporter`` as a real process (environment: the test's databases)."""
+    env = {**os.environ, "EXPORTER_CACHE_SECONDS": str(cache_seconds)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "payment_worker.cli", "exporter", *_args(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -75,12 +102,7 @@ def _seed(conn: psycopg.Connection[Any]) -> None:
 def exporter(pw_env: object) -> Iterator[str]:
     """A running ``payment-worker exporter`` against the test's database; its /metrics URL."""
     port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "payment_worker.cli", "exporter", *_args(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_exporter(port)
     url = f"http://127.0.0.1:{port}/metrics"
     deadline = time.monotonic() + 30
     try:
@@ -102,7 +124,9 @@ def test_exporter_serves_state_from_postgres(
     exporter: str, db_conn: psycopg.Connection[Any]
 ) -> None:
     before = _samples(httpx.get(exporter, timeout=10).text)
-    assert before[("payment_worker_exporter_up", ())] == 1
+    assert before[("payment_worker_exporter_up", ())] == 1, before
+    for source in ("postgres", "redis", "broker", "workers"):
+        assert before[("payment_worker_exporter_source_up", (("source", source),))] == 1
     assert before[("payment_worker_transactions", (("status", "pending"),))] == 0
     assert before[("payment_worker_oldest_open_transaction_age_seconds", ())] == 0
 
@@ -116,10 +140,18 @@ def test_exporter_serves_state_from_postgres(
     assert m[("payment_worker_batches", (("status", "processing"),))] == 1
     assert m[("payment_worker_batches", (("status", "completed"),))] == 1
     assert m[("payment_worker_batches", (("status", "pending"),))] == 0
-    assert m[("payment_worker_dead_letters_open", ())] == 1
+    assert m[("payment_worker_dead_letters_open", (("reason", "retries_exhausted"),))] == 1
+    assert m[("payment_worker_dead_letters_open", (("reason", "task_crashed"),))] == 0
     assert m[("payment_worker_oldest_open_dead_letter_age_seconds", ())] >= 0
-    assert m[("payment_worker_dead_letters_replayed_total", (("reason", "retries_exhausted"),))] == 0
-    assert m[("payment_worker_dead_letters_resolved_total", (("reason", "task_crashed"),))] == 0
+    assert m[("payment_worker_in_doubt_transactions", ())] == 1
+    # the in-doubt clock is doubt_since (20 min), not the item's age (30 min)
+    assert 1200 <= m[("payment_worker_oldest_in_doubt_age_seconds", ())] < 1300
+    assert 3600 <= m[("payment_worker_oldest_pending_age_seconds", ())] < 3700
+    assert m[("payment_worker_accounts_waiting", ())] == 1  # acct-2 has nothing open
+    assert (
+        m[("payment_worker_dead_letters_replayed_total", (("reason", "retries_exhausted"),))] == 0
+    )
+    assert m[("payment_worker_dead_letters_resolved_total", (("reason", "task_crashed"),))] == 1
     # the oldest open one is an hour old; the two-hour-old one is terminal (dead)
     assert 3600 <= m[("payment_worker_oldest_open_transaction_age_seconds", ())] < 3700
     assert m[("payment_worker_exporter_scrape_duration_seconds", ())] > 0
@@ -129,14 +161,144 @@ def test_exporter_serves_state_from_postgres(
     after = _samples(httpx.get(exporter, timeout=10).text)
     assert after[("payment_worker_transactions", (("status", "succeeded"),))] == 6
     assert after[("payment_worker_oldest_open_transaction_age_seconds", ())] == 0
+    assert after[("payment_worker_accounts_waiting", ())] == 0
+    assert after[("payment_worker_in_doubt_transactions", ())] == 0
+    assert after[("payment_worker_oldest_in_doubt_age_seconds", ())] == 0
 
 
-def test_unreachable_database_reports_up_zero_not_an_error(pw_env: Any) -> None:
+def _sources(db_url: str, pw_env: PwEnv) -> Sources:
+    engine = create_engine(db_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    rt = runtime.current()
+    return Sources(engine, rt.redis, redis.Redis.from_url(pw_env.broker_url), rt.keys)
+
+
+def test_unreachable_database_reports_up_zero_not_an_error(pw_env: PwEnv) -> None:
     # a real fault: the database does not exist
     url = urlunsplit(urlsplit(pw_env.database_url)._replace(path="/no_such_database_pw"))
-    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    sources = _sources(url, pw_env)
     try:
-        families = list(PostgresStateCollector(engine).collect())
+        families = {f.name: f for f in StateCollector(sources).collect()}
     finally:
-        engine.dispose()
-    assert [(f.name, [s.value for s in f.samples]) for f in families] == [("payment_worker_exporter_up", [0])]
+        sources.engine.dispose()
+    assert [s.value for s in families["payment_worker_exporter_up"].samples] == [0]
+    ups = {
+        s.labels["source"]: s.value for s in families["payment_worker_exporter_source_up"].samples
+    }
+    assert ups == {"postgres": 0, "redis": 1, "broker": 1}
+    # what could be read is still served; nothing of Postgres is
+    assert "payment_worker_queue_messages" in families
+    assert "payment_worker_transactions" not in families
+
+
+def test_reads_are_cached_one_round_per_period(pw_env: PwEnv, db_conn: Any) -> None:
+    sources = _sources(pw_env.database_url, pw_env)
+    statements: list[str] = []
+    event.listen(sources.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    collector = StateCollector(sources, cache_seconds=1.5)
+
+    def pending() -> float:
+        for f in collector.collect():
+            if f.name == "payment_worker_transactions":
+                return next(s.value for s in f.samples if s.labels["status"] == "pending")
+        raise AssertionError("no payment_worker_transactions")
+
+    try:
+        assert pending() == 0
+        one_round = len(statements)
+        assert one_round > 0
+        _seed(db_conn)
+        # scrapes within the period get the same figures and cost no query
+        for _ in range(5):
+            assert pending() == 0
+        assert len(statements) == one_round
+        time.sleep(1.6)
+        assert pending() == 2
+        assert len(statements) == 2 * one_round
+    finally:
+        sources.engine.dispose()
+
+
+def test_queue_depth_workers_alive_and_submissions(
+    pw_env: PwEnv, tmp_path: Any, db_conn: Any
+) -> None:
+    port = _free_port()
+    proc = start_exporter(port)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        wait_until(lambda: _up(url), 30, "the exporter")
+        m = _samples(httpx.get(url, timeout=10).text)
+        for q in ("payments", "dlq", "delayed"):
+            assert m[("payment_worker_queue_messages", (("queue", q),))] == 0
+        assert m[("payment_worker_workers_alive", ())] == 0
+        for result in ("accepted", "duplicate", "rejected"):
+            assert m[("payment_worker_submissions_total", (("result", result),))] == 0
+
+        # three messages waiting with no worker; one on the dlq queue
+        for n in range(3):
+            enqueue_batch(f"no-such-batch-{n}")
+        runtime.current()  # the app is configured for the test's broker
+        from payment_worker.worker.celery_app import app
+
+        app.send_task("payment_worker.dlq.record_crash", kwargs={}, queue="dlq")
+        m = _samples(httpx.get(url, timeout=10).text)
+        assert m[("payment_worker_queue_messages", (("queue", "payments"),))] == 3
+        assert m[("payment_worker_queue_messages", (("queue", "dlq"),))] == 1
+
+        # the producer's counts, from a short `payment-worker submit` process
+        batch = {
+            "batch_id": "exp-1",
+            "account_id": "acct-x",
+            "items": [
+                {
+                    "transaction_id": "t-1",
+                    "amount": 100,
+                    "currency": "IDR",
+                    "beneficiary": {"bank_code": "014", "account_number": "1", "name": "A"},
+                }
+            ],
+        }
+        path = tmp_path / "b.json"
+        path.write_text(json.dumps([batch, batch, {"batch_id": "bad"}]))
+        sub = subprocess.run(
+            [sys.executable, "-m", "payment_worker.cli", "submit", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert [json.loads(line)["status"] for line in sub.stdout.splitlines()] == [
+            "accepted",
+            "duplicate",
+            "rejected",
+        ], sub.stderr
+
+        # a real worker: it takes the messages, answers the ping, and holds a delayed one
+        db_conn.execute("SELECT 1")
+        with LocalCluster(
+            workdir=tmp_path / "cluster", env={**os.environ, "METRICS_PORT": "0"}
+        ) as c:
+            c.start_worker(concurrency=2)
+            enqueue_batch("delayed-batch", countdown=120)
+
+            def settled() -> bool:
+                m = _samples(httpx.get(url, timeout=10).text)
+                return (
+                    m[("payment_worker_workers_alive", ())] == 1
+                    and m[("payment_worker_queue_messages", (("queue", "delayed"),))] == 1
+                    and m[("payment_worker_queue_messages", (("queue", "payments"),))] == 0
+                )
+
+            wait_until(settled, 60, "one worker alive, one delayed message, payments drained")
+        m = _samples(httpx.get(url, timeout=10).text)
+        assert m[("payment_worker_submissions_total", (("result", "accepted"),))] == 1
+        assert m[("payment_worker_submissions_total", (("result", "duplicate"),))] == 1
+        assert m[("payment_worker_submissions_total", (("result", "rejected"),))] == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False

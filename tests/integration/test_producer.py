@@ -177,7 +177,9 @@ def test_invalid_batch_leaves_nothing_behind(
         {"path": "$", "message": "a batch must be a JSON object"}
     ]
     assert counts(db_conn) == (0, 0, 0)
-    assert redis_client.keys("*") == []
+    # nothing but the submission counts the exporter serves
+    assert redis_client.keys("*") == [b"pw:submissions"]
+    assert redis_client.hgetall("pw:submissions") == {b"rejected": b"3"}
     assert broker_messages(pw_env) == []
 
 

@@ -31,6 +31,7 @@ def test_every_key_format_is_pinned() -> None:
     assert k.sweeper_lock() == "pw:sweeper"
     assert k.sweeper_tick() == "pw:sweeper:tick"
     assert k.submit_dedup("b-1") == "pw:submit:b-1"
+    assert k.submissions() == "pw:submissions"
 
 
 def test_the_prefix_is_the_only_variable_part() -> None:

@@ -1,0 +1,196 @@
+"""prometheus-client's multiprocess mode for Celery workers, switched on before its import.
+
+A Celery worker's metrics must be right with every pool: with prefork the tasks run in
+forked children, whose counters the parent's registry never sees. prometheus-client's
+multiprocess mode has each process write its values to files in one directory, and the
+process that serves ``/metrics`` merges them. The mode is chosen when
+``prometheus_client`` is first imported (``PROMETHEUS_MULTIPROC_DIR`` in the environment),
+so :func:`prepare_worker` runs when the ``payment_worker`` package is first imported: in
+``celery -A payment_worker worker`` that is before anything imports ``prometheus_client``
+(Celery loads our ``celery.commands`` plugin, then the app), and the parent sets the
+variable before it forks a child. It acts only in the main process of ``celery ...
+worker`` (read from its command line), and only once. Every worker process uses the
+mode whatever its pool (threads, solo: one writer; prefork: parent and children), so there
+is one code path. Other processes (CLI, beat, exporter) keep the plain in-process registry.
+
+This module must not import ``prometheus_client`` at module level.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+# set in a worker's environment by prepare_worker when it made the directory itself, so that
+# the worker removes it at shutdown (a directory the operator named is only emptied)
+_OWNED_ENV = "PAYMENT_WORKER_METRICS_DIR_OWNED"
+
+
+# the options of the `celery` command itself that take a value (celery/bin/celery.py)
+_CELERY_VALUE_OPTIONS = (
+    "-A",
+    "--app",
+    "-b",
+    "--broker",
+    "--result-backend",
+    "--loader",
+    "--config",
+    "--workdir",
+)
+
+
+def celery_subcommand(argv: list[str]) -> str | None:
+    """The sub-command of a ``celery`` command line (``worker``, ``beat``...), or None when
+    ``argv`` is not Celery's command line."""
+    if not argv:
+        return None
+    prog = Path(argv[0])
+    if prog.name != "celery" and not (prog.name == "__main__.py" and prog.parent.name == "celery"):
+        return None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg in _CELERY_VALUE_OPTIONS:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _base_dir() -> Path:
+    # per OS user, under TMPDIR (point TMPDIR at a tmpfs for speed)
+    return Path(tempfile.gettempdir()) / f"payment-worker-metrics-{os.getuid()}"
+
+
+def _remove_stale(base: Path) -> None:
+    """Directories left by workers that were killed (named by their pid)."""
+    for entry in base.iterdir():
+        if entry.is_dir() and entry.name.isdigit() and not pid_alive(int(entry.name)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def wipe(path: Path) -> None:
+    """Remove every metric file in ``path``: values of an earlier run must not be summed in."""
+    for f in path.glob("*.db"):
+        with contextlib.suppress(FileNotFoundError):
+            f.unlink()
+
+
+def prepare_worker() -> Path | None:
+    """In a Celery worker's main process, before ``prometheus_client`` is imported: point
+    ``PROMETHEUS_MULTIPROC_DIR`` at an empty directory of this worker. Does nothing in any
+    other process; returns the directory when it set one up.
+
+    An operator's ``PROMETHEUS_MULTIPROC_DIR`` is used as given (one directory per worker
+    instance on a host: it is emptied at start); otherwise the worker makes
+    ``$TMPDIR/payment-worker-metrics-<uid>/<pid>`` and removes it when it stops.
+    """
+    if celery_subcommand(sys.argv) != "worker":
+        return None
+    if "prometheus_client.values" in sys.modules and not os.environ.get(ENV):
+        # the mode is fixed at import: something imported prometheus_client first
+        print(
+            "payment-worker: prometheus_client was imported before the worker could switch on "
+            f"its multiprocess mode; set {ENV} to an empty directory for this worker",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
+    given = os.environ.get(ENV)
+    if given:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ.pop(_OWNED_ENV, None)
+    else:
+        base = _base_dir()
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _remove_stale(base)
+        path = base / str(os.getpid())
+        path.mkdir(mode=0o700, exist_ok=True)
+        os.environ[ENV] = str(path)
+        os.environ[_OWNED_ENV] = str(path)
+        # also when the worker ends before its shutdown signal (a bad setting at start)
+        atexit.register(remove_owned_dir)
+    wipe(path)
+    return path
+
+
+def _pid_of(path: Path) -> int | None:
+    pid = path.stem.rpartition("_")[2]
+    return int(pid) if pid.isdigit() else None
+
+
+def compact_dead(path: Path) -> int:
+    """Fold the counter and histogram files of processes that have ended into one archive
+    file per type, so that a worker recycling its pool children (worker_max_tasks_per_child)
+    does not make every scrape read a file per child that ever lived. Their counts stay in
+    the sums. Only the process that serves ``/metrics`` calls it, one call at a time.
+    Returns how many files were folded."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    me = os.getpid()
+    folded = 0
+    for typ in ("counter", "histogram"):
+        dead = [
+            f
+            for f in path.glob(f"{typ}_*.db")
+            if (pid := _pid_of(f)) is not None and pid != me and not pid_alive(pid)
+        ]
+        if not dead:
+            continue
+        archive = path / f"{typ}_archive.db"
+        inputs = [archive, *dead] if archive.exists() else dead
+        # not cumulated: histogram buckets are stored per bucket, as each process writes them
+        merged = MultiProcessCollector.merge(  # type: ignore[no-untyped-call]
+            [str(f) for f in inputs], accumulate=False
+        )
+        tmp = path / f"{typ}_archive.tmp"  # not *.db: a scrape never reads it half written
+        tmp.unlink(missing_ok=True)
+        out = MmapedDict(str(tmp))  # type: ignore[no-untyped-call]
+        try:
+            for metric in merged:
+                for sample in metric.samples:
+                    key = mmap_key(
+                        metric.name,
+                        sample.name,
+                        list(sample.labels),
+                        list(sample.labels.values()),
+                        metric.documentation,
+                    )
+                    out.write_value(key, sample.value, 0.0)  # type: ignore[no-untyped-call]
+        finally:
+            out.close()  # type: ignore[no-untyped-call]
+        os.replace(tmp, archive)
+        for f in dead:
+            f.unlink(missing_ok=True)
+        folded += len(dead)
+    return folded
+
+
+def enabled() -> bool:
+    """Whether this process writes its metrics in multiprocess mode."""
+    return bool(os.environ.get(ENV))
+
+
+def remove_owned_dir() -> None:
+    """At the worker's shutdown: remove the directory :func:`prepare_worker` made (only in
+    the process that made it, never in a pool child)."""
+    owned = os.environ.get(_OWNED_ENV)
+    if owned and os.environ.get(ENV) == owned and Path(owned).name == str(os.getpid()):
+        shutil.rmtree(owned, ignore_errors=True)
