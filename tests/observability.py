@@ -92,7 +92,11 @@ def exporter_families() -> list[Family]:
     """Every series of the exporter: the names in its source, plus the agreed contract names."""
     src = EXPORTER_SRC.read_text()
     found: dict[str, Family] = {}
-    typed = re.compile(r'\b(Counter|Histogram|Gauge)(?:MetricFamily)?\(\s*"(payment_worker_\w+)"')
+    # Counter("name" / CounterMetricFamily("name", and a family class passed to a helper
+    # before its name: _labelled(CounterMetricFamily, "name", ...)
+    typed = re.compile(
+        r'\b(Counter|Histogram|Gauge)(?:MetricFamily)?(?:\(|,)\s*"(payment_worker_\w+)"'
+    )
     for cls, name in typed.findall(src):
         fam = _family(name, cls.lower(), "exporter")
         found[fam.name] = fam
