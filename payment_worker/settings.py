@@ -5,6 +5,7 @@ The configuration reference is docs/configuration.md; keep the two in step.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from payment_worker.ops.redaction import mask_url
+
 _PG_SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
 _REDIS_SCHEMES = {"redis", "rediss", "unix"}
 
@@ -22,15 +25,33 @@ def _check_url(value: str | None, schemes: set[str], what: str) -> str | None:
     if value is None or value == "":
         return None
     parts = urlsplit(value)
+    # the error line shows the value, never its password
+    shown = mask_url(value)
     if parts.scheme not in schemes:
-        raise ValueError(f"expected a {what} URL ({', '.join(sorted(schemes))}), got {value!r}")
+        raise ValueError(f"expected a {what} URL ({', '.join(sorted(schemes))}), got {shown!r}")
     if parts.scheme != "unix" and not (parts.hostname or "host=" in parts.query):
-        raise ValueError(f"{what} URL {value!r} names no host")
+        raise ValueError(f"{what} URL {shown!r} names no host")
     try:
         _ = parts.port
     except ValueError as exc:
-        raise ValueError(f"{what} URL {value!r} has a bad port") from exc
+        raise ValueError(f"{what} URL {shown!r} has a bad port") from exc
     return value
+
+
+# the gateway simulator's secret: only ever used for a gateway on this machine
+SIMULATOR_SECRET = "sim-secret"
+
+
+def is_local_gateway(url: str) -> bool:
+    """True when ``url``'s host is a loopback address (the local simulator), where
+    GATEWAY_CLIENT_SECRET may be left unset."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Settings(BaseSettings):
@@ -60,7 +81,8 @@ class Settings(BaseSettings):
 
     # --- gateway --------------------------------------------------------------------------
     gateway_url: str = "http://127.0.0.1:8700"
-    gateway_client_secret: SecretStr = SecretStr("sim-secret")
+    # required unless GATEWAY_URL is on a loopback host (the simulator's secret is used then)
+    gateway_client_secret: SecretStr | None = None
     gateway_connect_timeout: float = Field(2.0, gt=0)
     gateway_read_timeout: float = Field(5.0, gt=0)
     gateway_pool_size: int = Field(20, ge=1)
@@ -131,7 +153,8 @@ class Settings(BaseSettings):
     metrics_port: int = Field(9808, ge=0, le=65535)
     exporter_port: int = Field(9809, ge=0, le=65535)
     log_level: str = "INFO"
-    log_json: bool = False
+    # unset (or "auto"): JSON lines when stderr is not a terminal, a console rendering on one
+    log_json: bool | None = None
 
     @field_validator("database_url")
     @classmethod
@@ -151,6 +174,20 @@ class Settings(BaseSettings):
             raise ValueError("must not be empty")
         return checked.rstrip("/")
 
+    @field_validator("log_json", mode="before")
+    @classmethod
+    def _log_json(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() in ("", "auto"):
+            return None
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        if v.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {v!r}")
+        return v.upper()
+
     @field_validator("gateway_rate_overrides", mode="before")
     @classmethod
     def _overrides(cls, v: Any) -> Any:
@@ -160,6 +197,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _limits(self) -> Settings:
+        if self.gateway_client_secret is None or not self.gateway_client_secret.get_secret_value():
+            if not is_local_gateway(self.gateway_url):
+                raise ValueError(
+                    "GATEWAY_CLIENT_SECRET is required: GATEWAY_URL is not the local simulator "
+                    "(a loopback host)"
+                )
+            self.gateway_client_secret = SecretStr(SIMULATOR_SECRET)
         if self.task_time_limit >= self.visibility_timeout:
             raise ValueError("TASK_TIME_LIMIT must be below VISIBILITY_TIMEOUT")
         if self.task_soft_time_limit >= self.task_time_limit:

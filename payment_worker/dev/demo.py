@@ -20,6 +20,7 @@ from payment_worker.db import migrate, reports
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.reconcile import reconcile
 from payment_worker.domain.statuses import TERMINAL_TX_STATUSES
+from payment_worker.ops.redaction import mask_url
 from payment_worker.runtime import Runtime
 
 # shipped inside the package, so an installed wheel finds it from any working directory
@@ -73,7 +74,7 @@ def run_demo(
         "CELERY_BROKER_URL": rt.urls.broker,
     }
     for name, url in env_urls.items():
-        _say(f"      {name}={url}")
+        _say(f"      {name}={mask_url(url)}")
     _say("[2/6] schema: alembic upgrade head")
     migrate.upgrade(rt.urls.sqlalchemy)
     workdir = s.home / "demo" / run_id
