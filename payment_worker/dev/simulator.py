@@ -11,7 +11,8 @@ served by aiohttp.
 Declines: a beneficiary ``account_number`` starting with ``REJECT`` gives 402
 ``beneficiary_blocked``; one starting with ``NOFUNDS`` gives 402 ``insufficient_funds``; a
 beneficiary ``bank_code`` of ``BLOCKED`` gives 402 ``beneficiary_blocked`` whose body echoes
-the account number in a ``message`` (what the worker must mask).
+the account number in a ``message`` (what the worker must mask). A ``bank_code`` of
+``UNAVAILABLE`` always gives 503 (nothing applied) with such a ``message``.
 
 Control endpoints (not part of the protocol): ``GET /_sim/ledger``, ``POST /_sim/config``,
 ``POST /_sim/reset``, ``POST /_sim/script``, ``GET /_sim/requests?account_id=``,

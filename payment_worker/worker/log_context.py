@@ -34,7 +34,6 @@ from payment_worker.ops.logging import (
     configure_from_settings,
     get_logger,
     json_lines,
-    stderr_is_tty,
 )
 from payment_worker.ops.redaction import mask_url
 
@@ -55,11 +54,12 @@ def _task_postrun(**_: Any) -> None:
     clear_contextvars()
 
 
-def _quiet_banner(instance: Any = None, **_: Any) -> None:
-    # celeryd_init comes before logging is set up: decide from the settings as it will be
+def _worker_configuring(instance: Any = None, **_: Any) -> None:
+    # celeryd_init: the worker's first signal, before Celery's own warnings (running as
+    # root...) and its setup_logging: configure now, so that every line is ours
     s = runtime.current().settings
-    as_json = (not stderr_is_tty()) if s.log_json is None else s.log_json
-    if as_json and instance is not None:
+    configure_from_settings(s)
+    if json_lines() and instance is not None:
         instance.quiet = True  # no plain-text banner on stdout; worker_starting says it
 
 
@@ -87,5 +87,5 @@ def _name(cls: Any) -> str | None:
 setup_logging.connect(_setup_logging, weak=False)
 task_prerun.connect(_task_prerun, weak=False)
 task_postrun.connect(_task_postrun, weak=False)
-celeryd_init.connect(_quiet_banner, weak=False)
+celeryd_init.connect(_worker_configuring, weak=False)
 celeryd_after_setup.connect(_worker_starting, weak=False)
