@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from payment_worker.ops.redaction import mask_url
@@ -82,7 +89,7 @@ class Settings(BaseSettings):
     # --- gateway --------------------------------------------------------------------------
     gateway_url: str = "http://127.0.0.1:8700"
     # required unless GATEWAY_URL is on a loopback host (the simulator's secret is used then)
-    gateway_client_secret: SecretStr | None = None
+    gateway_client_secret: SecretStr | None = Field(None, validate_default=True)
     gateway_connect_timeout: float = Field(2.0, gt=0)
     gateway_read_timeout: float = Field(5.0, gt=0)
     gateway_pool_size: int = Field(20, ge=1)
@@ -174,6 +181,21 @@ class Settings(BaseSettings):
             raise ValueError("must not be empty")
         return checked.rstrip("/")
 
+    @field_validator("gateway_client_secret")
+    @classmethod
+    def _gateway_secret(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if v is not None and v.get_secret_value():
+            return v
+        url = info.data.get("gateway_url")
+        if url is None:
+            return v  # GATEWAY_URL itself is bad: that error is the one to show
+        if not is_local_gateway(url):
+            raise ValueError(
+                "required: GATEWAY_URL is not the local simulator (a loopback host), and a real "
+                "gateway gets no default secret"
+            )
+        return SecretStr(SIMULATOR_SECRET)
+
     @field_validator("log_json", mode="before")
     @classmethod
     def _log_json(cls, v: Any) -> Any:
@@ -197,13 +219,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _limits(self) -> Settings:
-        if self.gateway_client_secret is None or not self.gateway_client_secret.get_secret_value():
-            if not is_local_gateway(self.gateway_url):
-                raise ValueError(
-                    "GATEWAY_CLIENT_SECRET is required: GATEWAY_URL is not the local simulator "
-                    "(a loopback host)"
-                )
-            self.gateway_client_secret = SecretStr(SIMULATOR_SECRET)
         if self.task_time_limit >= self.visibility_timeout:
             raise ValueError("TASK_TIME_LIMIT must be below VISIBILITY_TIMEOUT")
         if self.task_soft_time_limit >= self.task_time_limit:
