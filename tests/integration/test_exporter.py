@@ -118,9 +118,7 @@ def test_exporter_serves_state_from_postgres(
     assert m[("payment_worker_batches", (("status", "pending"),))] == 0
     assert m[("payment_worker_dead_letters_open", ())] == 1
     assert m[("payment_worker_oldest_open_dead_letter_age_seconds", ())] >= 0
-    assert (
-        m[("payment_worker_dead_letters_replayed_total", (("reason", "retries_exhausted"),))] == 0
-    )
+    assert m[("payment_worker_dead_letters_replayed_total", (("reason", "retries_exhausted"),))] == 0
     assert m[("payment_worker_dead_letters_resolved_total", (("reason", "task_crashed"),))] == 0
     # the oldest open one is an hour old; the two-hour-old one is terminal (dead)
     assert 3600 <= m[("payment_worker_oldest_open_transaction_age_seconds", ())] < 3700
@@ -141,6 +139,4 @@ def test_unreachable_database_reports_up_zero_not_an_error(pw_env: Any) -> None:
         families = list(PostgresStateCollector(engine).collect())
     finally:
         engine.dispose()
-    assert [(f.name, [s.value for s in f.samples]) for f in families] == [
-        ("payment_worker_exporter_up", [0])
-    ]
+    assert [(f.name, [s.value for s in f.samples]) for f in families] == [("payment_worker_exporter_up", [0])]

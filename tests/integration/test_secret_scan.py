@@ -190,8 +190,7 @@ def test_no_secret_in_any_output(pw_env: PwEnv, tmp_path: Path) -> None:
                 "SELECT coalesce(string_agg(last_error, ' | '), '') FROM transactions"
             ).fetchone()
             dl = conn.execute(
-                "SELECT coalesce(string_agg(payload::text, ' | '), '')"
-                " FROM dead_letters"
+                "SELECT coalesce(string_agg(payload::text, ' | '), '') FROM dead_letters"
             ).fetchone()
         assert stored is not None and dl is not None
         outputs["transactions.last_error"], outputs["dead_letters"] = stored[0], dl[0]
