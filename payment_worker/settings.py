@@ -5,14 +5,24 @@ The configuration reference is docs/configuration.md; keep the two in step.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from payment_worker.ops.redaction import mask_url
 
 _PG_SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
 _REDIS_SCHEMES = {"redis", "rediss", "unix"}
@@ -22,15 +32,33 @@ def _check_url(value: str | None, schemes: set[str], what: str) -> str | None:
     if value is None or value == "":
         return None
     parts = urlsplit(value)
+    # the error line shows the value, never its password
+    shown = mask_url(value)
     if parts.scheme not in schemes:
-        raise ValueError(f"expected a {what} URL ({', '.join(sorted(schemes))}), got {value!r}")
+        raise ValueError(f"expected a {what} URL ({', '.join(sorted(schemes))}), got {shown!r}")
     if parts.scheme != "unix" and not (parts.hostname or "host=" in parts.query):
-        raise ValueError(f"{what} URL {value!r} names no host")
+        raise ValueError(f"{what} URL {shown!r} names no host")
     try:
         _ = parts.port
     except ValueError as exc:
-        raise ValueError(f"{what} URL {value!r} has a bad port") from exc
+        raise ValueError(f"{what} URL {shown!r} has a bad port") from exc
     return value
+
+
+# the gateway simulator's secret: only ever used for a gateway on this machine
+SIMULATOR_SECRET = "sim-secret"
+
+
+def is_local_gateway(url: str) -> bool:
+    """True when ``url``'s host is a loopback address (the local simulator), where
+    GATEWAY_CLIENT_SECRET may be left unset."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Settings(BaseSettings):
@@ -60,7 +88,8 @@ class Settings(BaseSettings):
 
     # --- gateway --------------------------------------------------------------------------
     gateway_url: str = "http://127.0.0.1:8700"
-    gateway_client_secret: SecretStr = SecretStr("sim-secret")
+    # required unless GATEWAY_URL is on a loopback host (the simulator's secret is used then)
+    gateway_client_secret: SecretStr | None = Field(None, validate_default=True)
     gateway_connect_timeout: float = Field(2.0, gt=0)
     gateway_read_timeout: float = Field(5.0, gt=0)
     gateway_pool_size: int = Field(20, ge=1)
@@ -134,7 +163,8 @@ class Settings(BaseSettings):
     # the exporter queries Postgres and Redis at most once per this long (scrapes share it)
     exporter_cache_seconds: float = Field(10.0, ge=0)
     log_level: str = "INFO"
-    log_json: bool = False
+    # unset (or "auto"): JSON lines when stderr is not a terminal, a console rendering on one
+    log_json: bool | None = None
 
     @field_validator("database_url")
     @classmethod
@@ -153,6 +183,35 @@ class Settings(BaseSettings):
         if checked is None:
             raise ValueError("must not be empty")
         return checked.rstrip("/")
+
+    @field_validator("gateway_client_secret")
+    @classmethod
+    def _gateway_secret(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if v is not None and v.get_secret_value():
+            return v
+        url = info.data.get("gateway_url")
+        if url is None:
+            return v  # GATEWAY_URL itself is bad: that error is the one to show
+        if not is_local_gateway(url):
+            raise ValueError(
+                "required: GATEWAY_URL is not the local simulator (a loopback host), and a real "
+                "gateway gets no default secret"
+            )
+        return SecretStr(SIMULATOR_SECRET)
+
+    @field_validator("log_json", mode="before")
+    @classmethod
+    def _log_json(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() in ("", "auto"):
+            return None
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        if v.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {v!r}")
+        return v.upper()
 
     @field_validator("gateway_rate_overrides", mode="before")
     @classmethod

@@ -33,10 +33,10 @@ Command = Callable[[argparse.Namespace, Context], int]
 
 def run_command(command: Command, args: argparse.Namespace, settings: Settings) -> int:
     """Run ``command`` with logs on stderr, then release this process's runtime."""
-    from payment_worker.ops.logging import configure_logging
+    from payment_worker.ops.logging import configure_from_settings
 
     # logs go to stderr, so a command's own output (JSON lines, tables) stays clean
-    configure_logging(settings.log_level, settings.log_json)
+    configure_from_settings(settings)
     try:
         return command(args, Context(settings))
     finally:

@@ -33,10 +33,14 @@ from payment_worker import embedded, runtime
 from payment_worker.db import dead_letters as store
 from payment_worker.domain.statuses import DeadReason
 from payment_worker.errors import PaymentWorkerError
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.redaction import mask_account_number, redact
 from payment_worker.runtime import Runtime
 from payment_worker.settings import load_settings
 
 __all__ = ["dlq", "mask_account_number", "parse_duration"]
+
+log = get_logger("dlq")
 
 REASONS = (*(r.value for r in DeadReason), store.TASK_CRASHED)
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -55,14 +59,6 @@ def parse_duration(value: str) -> float:
     if m is None:
         raise BadInput(f"malformed --since {value!r}: use e.g. 90s, 15m, 1h, 2d")
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
-
-
-def mask_account_number(number: object) -> str:
-    """All but the last four digits masked."""
-    if number is None:
-        return "-"
-    s = str(number)
-    return "*" * max(len(s) - 4, 0) + s[-4:]
 
 
 def _age(seconds: float | None) -> str:
@@ -90,9 +86,9 @@ class _State:
             missing = embedded.missing_for(s.database_url, s.redis_url)
             if missing:
                 raise embedded.EmbeddedNotInstalled(missing)
-            from payment_worker.ops.logging import configure_logging
+            from payment_worker.ops.logging import configure_from_settings
 
-            configure_logging(s.log_level, s.log_json)
+            configure_from_settings(s)
             self._rt = runtime.install(Runtime(s))
         return self._rt
 
@@ -120,7 +116,7 @@ def _guard(cmd: str) -> Callable[[F], F]:
                 # the database is down or refused: not bad input, and nothing half-done (each
                 # item is one statement)
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-                _fail(cmd, f"database error: {first}", 1)
+                _fail(cmd, f"database error: {redact(first)}", 1)
 
         inner.__name__ = f.__name__
         inner.__doc__ = f.__doc__
@@ -169,7 +165,11 @@ def _row_json(d: store.DeadLetter) -> dict[str, Any]:
     out["beneficiary_account"] = (
         mask_account_number(benef.get("account_number")) if isinstance(benef, dict) else "-"
     )
-    out["last_error"] = (d.row["payload"] or {}).get("last_error") or d.row["last_error"]
+    last_error = (d.row["payload"] or {}).get("last_error") or d.row["last_error"]
+    out["last_error"] = None if last_error is None else redact(str(last_error))
+    if isinstance(out.get("payload"), dict) and "last_error" in out["payload"]:
+        # the payload keeps its own copy of the error text
+        out["payload"] = {**out["payload"], "last_error": out["last_error"]}
     return out
 
 
@@ -222,7 +222,7 @@ def list_cmd(
                 _cell(r["attempts"] if r["attempts"] is not None else r["dl_attempts"]),
                 _age(r["age"]),
                 mask_account_number(benef.get("account_number")) if benef else "-",
-                _cell((r["payload"] or {}).get("last_error") or r["last_error"], 60),
+                _cell(_row_json(d)["last_error"], 60),
             )
         )
     all_headers = (*headers, "LAST_ERROR")
@@ -389,6 +389,14 @@ def replay_cmd(
         counts[r.result] += 1
         if r.result == store.REPLAYED:
             DEAD_LETTERS_REPLAYED.labels(reasons[r.dead_letter_id]).inc()
+            log.info(
+                "dead_letter_replayed",
+                dead_letter_id=r.dead_letter_id,
+                reason=reasons[r.dead_letter_id],
+                account_id=r.account_id,
+                batch_id=r.batch_id,
+                by=by,
+            )
             note = ""
             if r.batch_id and r.batch_id not in enqueued:
                 try:
@@ -398,6 +406,12 @@ def replay_cmd(
                     note = f" (enqueue failed, the sweeper will pick it up: {exc})"
             click.echo(f"{r.dead_letter_id}: replayed, account {r.account_id}: {r.detail}{note}")
         else:
+            log.warning(
+                "dead_letter_replay_refused",
+                dead_letter_id=r.dead_letter_id,
+                result=r.result,
+                detail=r.detail,
+            )
             click.echo(f"{r.dead_letter_id}: not replayed: {r.detail}")
     summary = ", ".join(f"{k}={n}" for k, n in sorted(counts.items()))
     click.echo(f"{len(results)} item(s): {summary}; {len(enqueued)} batch(es) enqueued")
@@ -448,6 +462,13 @@ def resolve_cmd(
             result = store.resolve(conn, d.id, as_status, note, who)
             if result == store.RESOLVED:
                 DEAD_LETTERS_RESOLVED.labels(d.reason).inc()
+                log.info(
+                    "dead_letter_resolved",
+                    dead_letter_id=d.id,
+                    reason=d.reason,
+                    resolved_as=as_status,
+                    by=who,
+                )
                 click.echo(f"{d.id}: resolved as {as_status} by {who}")
             else:
                 failed += 1

@@ -7,6 +7,7 @@ import argparse
 
 from payment_worker import embedded
 from payment_worker.cli.common import Context
+from payment_worker.ops.redaction import mask_url
 from payment_worker.runtime import ServiceUrls
 
 
@@ -35,8 +36,9 @@ def services(args: argparse.Namespace, ctx: Context) -> int:
         print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     elif args.action == "start":
         urls = ServiceUrls.resolve(s)
-        print(f"postgres: {urls.database}")
-        print(f"redis:    {urls.redis}")
+        # where the servers are, never their passwords
+        print(f"postgres: {mask_url(urls.database)}")
+        print(f"redis:    {mask_url(urls.redis)}")
     else:
         for name, state in embedded.status(home).items():
             print(f"{name}: {state}")

@@ -26,7 +26,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from payment_worker.cli.common import Context
 from payment_worker.domain.statuses import TxStatus
-from payment_worker.producer.status import BatchStatus, item_json, stream_batches
+from payment_worker.ops.redaction import redact
+from payment_worker.producer.status import BatchStatus, item_json, shown_error, stream_batches
 
 _ERROR_WIDTH = 60
 
@@ -74,7 +75,7 @@ def write_table(batches: Iterable[BatchStatus], out: TextIO) -> list[str]:
                 _cell(r.status),
                 _cell(r.attempts),
                 _cell(r.gateway_payment_id),
-                _cell(r.last_error, _ERROR_WIDTH),
+                _cell(shown_error(r.last_error), _ERROR_WIDTH),
             )
             for r in batch.items
         ]
@@ -114,7 +115,8 @@ def status(args: argparse.Namespace, ctx: Context) -> int:
             seen = write_json(batches, out) if args.json else write_table(batches, out)
         out.flush()
     except SQLAlchemyError as exc:
-        print(f"payment-worker status: database error: {exc}", file=sys.stderr)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        print(f"payment-worker status: database error: {redact(first)}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # the reader went away (``| head``): stop quietly, and keep Python's exit-time flush

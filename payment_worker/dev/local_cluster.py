@@ -120,8 +120,11 @@ class LocalCluster:
 
     # --- gateway simulator ------------------------------------------------------------
     def start_simulator(self, **flags: Any) -> str:
-        """Start the simulator on a free port; sets GATEWAY_URL for later processes."""
+        """Start the simulator on a free port; sets GATEWAY_URL and GATEWAY_CLIENT_SECRET (the
+        simulator's ``--secret``) for later processes."""
         port = free_port()
+        secret = str(flags.pop("secret", None) or self.env.get("GATEWAY_CLIENT_SECRET") or "")
+        flags["secret"] = secret or "sim-secret"
         argv = [sys.executable, "-m", "payment_worker.cli", "gateway-sim", "--port", str(port)]
         for key, value in flags.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
@@ -139,6 +142,7 @@ class LocalCluster:
             raise RuntimeError(f"simulator did not start; see {proc.log_path}")
         self.sim_url = url
         self.env["GATEWAY_URL"] = url
+        self.env["GATEWAY_CLIENT_SECRET"] = flags["secret"]
         return url
 
     def ledger(self) -> dict[str, Any]:

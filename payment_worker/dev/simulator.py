@@ -9,7 +9,10 @@ after an applied create, a proxy's HTML 200, forgotten keys). One process, state
 served by aiohttp.
 
 Declines: a beneficiary ``account_number`` starting with ``REJECT`` gives 402
-``beneficiary_blocked``; one starting with ``NOFUNDS`` gives 402 ``insufficient_funds``.
+``beneficiary_blocked``; one starting with ``NOFUNDS`` gives 402 ``insufficient_funds``; a
+beneficiary ``bank_code`` of ``BLOCKED`` gives 402 ``beneficiary_blocked`` whose body echoes
+the account number in a ``message`` (what the worker must mask). A ``bank_code`` of
+``UNAVAILABLE`` always gives 503 (nothing applied) with such a ``message``.
 
 Control endpoints (not part of the protocol): ``GET /_sim/ledger``, ``POST /_sim/config``,
 ``POST /_sim/reset``, ``POST /_sim/script``, ``GET /_sim/requests?account_id=``,
@@ -405,7 +408,19 @@ async def serve(host: str, port: int, config: SimConfig, seed: int | None = None
 
 def main(argv: list[str]) -> int:
     """Entry point of ``payment-worker gateway-sim``."""
+    import os
+
+    from payment_worker.ops.logging import configure_logging
+
     args = build_parser().parse_args(argv)
+    # the service's log format (LOG_LEVEL, LOG_JSON), without the service's other settings:
+    # the simulator needs none of them
+    json_env = os.environ.get("LOG_JSON", "").strip().lower()
+    configure_logging(
+        os.environ.get("LOG_LEVEL", "INFO"),
+        None if json_env in ("", "auto") else json_env in ("1", "true", "yes", "on"),
+        [args.secret],
+    )
     try:
         config = config_from_args(args)
     except ValueError as exc:

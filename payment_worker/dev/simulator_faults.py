@@ -82,6 +82,16 @@ def decide_create(
     if fault == "503":
         st.stored.pop(skey, None)
         return Answer(503, {"error": ERROR_CODES[503]})
+    beneficiary = body["beneficiary"]
+    if beneficiary.get("bank_code") == "UNAVAILABLE":
+        # the beneficiary's bank is down (nothing applied), and the answer echoes the account
+        # number, as some real gateways do: what the worker must mask
+        st.stored.pop(skey, None)
+        number = beneficiary.get("account_number")
+        return Answer(
+            503,
+            {"error": ERROR_CODES[503], "message": f"bank of account {number} is unreachable"},
+        )
     if fault in ("500", "502", "504"):
         if scripted is not None and "applied" in scripted:
             applied = bool(scripted["applied"])

@@ -259,6 +259,14 @@ class SimState:
         number = str(body["beneficiary"]["account_number"])
         if number.startswith("REJECT"):
             return 402, {"error": "declined", "reason": "beneficiary_blocked"}
+        if body["beneficiary"].get("bank_code") == "BLOCKED":
+            # as some real gateways do: the answer echoes the account number (the worker
+            # must mask it wherever it stores, logs or shows the body)
+            return 402, {
+                "error": "declined",
+                "reason": "beneficiary_blocked",
+                "message": f"beneficiary account {number} is blocked",
+            }
         if number.startswith("NOFUNDS"):
             return 402, {"error": "declined", "reason": "insufficient_funds"}
         self._seq += 1

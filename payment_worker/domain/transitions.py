@@ -24,7 +24,7 @@ from enum import StrEnum
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.retry import Backoff
 from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, DeadReason, KeyStatus, TxStatus
-from payment_worker.gateway.outcomes import GatewayResult, Outcome
+from payment_worker.gateway.outcomes import GatewayResult, Outcome, held_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +256,7 @@ def after_conflict(
         return _still_in_doubt(
             found, lookups=lookups, doubt_age=doubt_age, policy=policy, doubt=Doubt.SINCE_DISPATCH
         )
-    held = found.stored if found.stored is not None else found.error
+    held = held_text(found)  # masked: a stored answer may echo the beneficiary
     return Decision(
         TxStatus.DEAD,
         error_class="key_conflict",

@@ -138,7 +138,7 @@ def ensure_os_user(name: str) -> pwd.struct_passwd:
             f"by root ({why}); create it, set EMBEDDED_PG_OS_USER to an existing user, or set "
             "DATABASE_URL"
         )
-    log.info("embedded postgres os user created", user=name)
+    log.info("embedded_postgres_os_user_created", user=name)
     try:
         return pwd.getpwnam(name)
     except KeyError:
@@ -231,7 +231,7 @@ def _clear_crashed_server(home: Path) -> None:
         if not wait_dead(pid, STOP_TIMEOUT):
             raise EmbeddedError(f"leftover PostgreSQL process {pid} in {pgdata} will not die")
     if orphans:
-        log.warning("killed leftover postgres processes", pids=orphans, pgdata=str(pgdata))
+        log.warning("embedded_postgres_leftovers_killed", pids=orphans, pgdata=str(pgdata))
     # PostgreSQL trusts a lock file whose pid answers kill(0): a zombie or a reused pid would
     # block the restart, so the files go once we know no server of ours is alive
     sock_dir = pg_socket_dir(home)
@@ -287,7 +287,7 @@ def _restart_postgres(home: Path, os_user: str) -> None:
         )
         args = ["-D", str(pgdata), "-l", str(pgdata / "log"), "-w", "-t", str(int(START_TIMEOUT))]
         _pg_command("pg_ctl", [*args, "-o", options, "start"], user, timeout=START_TIMEOUT + 30)
-        log.info("embedded postgres started", pgdata=str(pgdata), socket_dir=str(sock_dir))
+        log.info("embedded_postgres_started", pgdata=str(pgdata), socket_dir=str(sock_dir))
     _ensure_database(home)
 
 

@@ -126,7 +126,7 @@ def terminate(pid: int, first: signal.Signals, what: str) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, first)
     if not wait_dead(pid, STOP_TIMEOUT):
-        log.warning("embedded server ignored a clean stop; killing it", server=what, pid=pid)
+        log.warning("embedded_server_killed", server=what, pid=pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         wait_dead(pid, 5)

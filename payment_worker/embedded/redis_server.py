@@ -143,6 +143,6 @@ def _restart_redis(home: Path) -> tuple[int, int]:
         if _start_redis(rdir, port):
             write_atomic(port_file, str(port))
             pid = read_int(rdir / "redis.pid") or 0
-            log.info("embedded redis started", port=port, pid=pid, dir=str(rdir))
+            log.info("embedded_redis_started", port=port, pid=pid, dir=str(rdir))
             return pid, port
     raise EmbeddedError(f"embedded Redis found no free port; see {rdir / 'redis.log'}")

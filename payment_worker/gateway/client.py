@@ -252,7 +252,7 @@ class GatewayClient:
         except Exception as exc:
             # a body that does not decode, a bug in the HTTP stack: the request may have
             # left, so the answer is "maybe sent", and the item is looked up, never dropped
-            log.exception("gateway client error", endpoint=endpoint)
+            log.exception("gateway_client_error", endpoint=endpoint)
             return client_error(exc)
         finally:
             GATEWAY_REQUEST_SECONDS.labels(endpoint=endpoint).observe(time.perf_counter() - start)
@@ -264,7 +264,7 @@ class GatewayClient:
             self.pacer.cooldown(account_id, seconds)
         except RedisError as exc:
             # the answer is still classified; the next request may meet a 429 again
-            log.warning("pacing cooldown not recorded", account_id=account_id, error=str(exc))
+            log.warning("pacing_cooldown_not_recorded", account_id=account_id, error=str(exc))
 
     def _done(self, endpoint: str, account_id: str, result: GatewayResult) -> GatewayResult:
         GATEWAY_REQUESTS.labels(endpoint=endpoint, outcome=result.outcome.value).inc()
@@ -272,7 +272,7 @@ class GatewayClient:
             result.outcome is Outcome.RETRY and result.http_status != 409
         ):
             log.warning(
-                "gateway answer",
+                "gateway_answer",
                 endpoint=endpoint,
                 account_id=account_id,
                 outcome=result.outcome.value,
@@ -285,7 +285,7 @@ class GatewayClient:
         body: dict[str, Any] = {
             "grant_type": "client_credentials",
             "client_id": account_id,
-            "client_secret": self._settings.gateway_client_secret.get_secret_value(),
+            "client_secret": _secret(self._settings),
         }
         return self._request("POST", "/oauth/token", {}, body)
 
@@ -293,3 +293,9 @@ class GatewayClient:
 def _seg(value: str) -> str:
     """One URL path segment, percent-encoded."""
     return quote(value, safe="")
+
+
+def _secret(settings: Settings) -> str:
+    """GATEWAY_CLIENT_SECRET (the settings fill in the simulator's for a loopback gateway)."""
+    secret = settings.gateway_client_secret
+    return secret.get_secret_value() if secret is not None else ""

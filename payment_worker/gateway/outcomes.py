@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from payment_worker.ops.redaction import mask_account_numbers, redact
+
 
 class Outcome(StrEnum):
     """What the worker should do with a transaction after one gateway answer."""
@@ -138,7 +140,21 @@ def _json_body(content: bytes) -> dict[str, Any]:
 
 
 def _text(content: bytes) -> str:
-    return content[:_MAX_ERROR_TEXT].decode("utf-8", "replace")
+    """A body as error text: masked (account numbers, URL passwords) before it is cut, so a
+    number cut in half is still masked."""
+    return _short(content[: _MAX_ERROR_TEXT + 64].decode("utf-8", "replace"))
+
+
+def _short(text: str) -> str:
+    """Error text to keep (stored, logged, shown): masked, then at most 300 characters."""
+    return redact(text)[:_MAX_ERROR_TEXT]
+
+
+def held_text(found: GatewayResult) -> str | None:
+    """What a lookup found stored under a key, as masked error text (a 422's conflict)."""
+    if found.stored is None:
+        return found.error
+    return _short(json.dumps(found.stored, ensure_ascii=False, default=str))
 
 
 def _str_or_none(value: Any) -> str | None:
@@ -195,12 +211,15 @@ def _result(
     reason = _str_or_none(body.get("reason")) if outcome is Outcome.DECLINED else None
     if reason is None:
         reason = _str_or_none(body.get("error"))
+    if reason is not None:
+        reason = mask_account_numbers(reason[:100])
     retry_after: float | None = None
     if status == 429:
         retry_after = parse_retry_after(headers.get("retry-after"))
         if retry_after is None:
             retry_after = DEFAULT_RETRY_AFTER
-    good = outcome in (Outcome.SUCCEEDED, Outcome.DECLINED)
+    # a decline's body is kept too (its reason, and what the gateway says about it)
+    good = outcome is Outcome.SUCCEEDED
     return GatewayResult(
         outcome=outcome,
         http_status=status,
@@ -218,7 +237,7 @@ def classify_transport_error(exc: httpx.TransportError) -> GatewayResult:
         ((o, r) for kind, o, r in TRANSPORT_TABLE if isinstance(exc, kind)),
         (Outcome.UNKNOWN, "transport_error"),
     )
-    text = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
+    text = _short(f"{type(exc).__name__}: {exc}")
     sent = reason not in ("connect_timeout", "connect_error", "pool_timeout")
     return GatewayResult(outcome=outcome, http_status=None, reason=reason, error=text, sent=sent)
 
@@ -226,7 +245,7 @@ def classify_transport_error(exc: httpx.TransportError) -> GatewayResult:
 def client_error(exc: Exception) -> GatewayResult:
     """A request that failed inside the client after it may have left (a body that does not
     decode, an unexpected error in the HTTP stack): maybe sent."""
-    text = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
+    text = _short(f"{type(exc).__name__}: {exc}")
     return GatewayResult(Outcome.UNKNOWN, http_status=None, reason="client_error", error=text)
 
 

@@ -39,6 +39,7 @@ from payment_worker.gateway.outcomes import (
 )
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import GATEWAY_TOKEN_REFRESHES
+from payment_worker.ops.redaction import redact
 from payment_worker.redis_keys import RedisKeys
 
 log = get_logger("gateway.tokens")
@@ -179,7 +180,7 @@ class TokenManager:
         except httpx.TransportError as exc:
             GATEWAY_TOKEN_REFRESHES.labels(result="transport_error").inc()
             res = classify_transport_error(exc)
-            log.warning("token refresh failed", account_id=account_id, error=res.error)
+            log.warning("token_refresh_failed", account_id=account_id, error=res.error)
             # whatever happened at the gateway, no payment was sent: retry later
             return not_sent(f"token_{res.reason}", f"token request: {res.error}")
         token, expires_in = _parse_token(resp)
@@ -200,7 +201,7 @@ class TokenManager:
         if stored:
             self._remember(account_id, token, ttl_ms - lead_ms)
         log.info(
-            "token refreshed",
+            "token_refreshed",
             account_id=account_id,
             expires_in=expires_in,
             lead_ms=lead_ms,
@@ -232,11 +233,11 @@ def _parse_token(resp: httpx.Response) -> tuple[str | None, float | None]:
 
 def _token_failure(resp: httpx.Response) -> GatewayResult:
     """A token request that gave no token: the payment was not sent, retry later."""
-    text = resp.text[:200]
+    text = redact(resp.text[:264])[:200]  # masked before it is cut
     retry_after = None
     if resp.status_code == 429:
         retry_after = parse_retry_after(resp.headers.get("retry-after")) or 1.0
-    log.warning("token request refused", status=resp.status_code, body=text)
+    log.warning("token_request_refused", status=resp.status_code, body=text)
     return GatewayResult(
         outcome=Outcome.RETRY,
         http_status=resp.status_code,

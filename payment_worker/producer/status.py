@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from payment_worker.db.batches import StatusRow, stream_status
+from payment_worker.ops.redaction import redact
 
 
 @dataclass(frozen=True)
@@ -56,5 +57,11 @@ def item_json(row: StatusRow) -> dict[str, Any]:
         "status": row.status,
         "attempts": row.attempts,
         "gateway_payment_id": row.gateway_payment_id,
-        "last_error": row.last_error,
+        "last_error": shown_error(row.last_error),
     }
+
+
+def shown_error(error: str | None) -> str | None:
+    """A stored error as it may be shown: URL passwords and account numbers masked (rows
+    written before errors were masked at the source, or by another writer)."""
+    return None if error is None else redact(error)

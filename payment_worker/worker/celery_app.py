@@ -22,6 +22,7 @@ from payment_worker import runtime
 from payment_worker.embedded import EmbeddedError
 from payment_worker.ops import multiprocess
 from payment_worker.settings import SettingsError
+from payment_worker.worker import log_context  # noqa: F401  Celery's logging through ours
 from payment_worker.worker.celery_config import build_config
 
 # imported by every worker (and beat): the tasks, and the receivers that run the sweeper

@@ -28,6 +28,7 @@ from payment_worker.db.dead_letters import record_task_crash
 from payment_worker.errors import PaymentWorkerError
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import DEAD_LETTERS
+from payment_worker.ops.redaction import redact
 from payment_worker.worker.celery_app import app
 
 log = get_logger("dlq")
@@ -72,7 +73,7 @@ def record_crash(
         "task_name": task_name,
         "args": list(args),
         "error_class": error_class,
-        "error": error[:1000],
+        "error": redact(error[:1100])[:1000],  # an exception's text may echo a body or URL
         "traceback_digest": digest,
         "batch_id": _batch_id_of(task_name, list(args)),
         "task_id": task_id,

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
+from structlog.contextvars import bind_contextvars, reset_contextvars
+
 from payment_worker.db.work import ClaimedItem, PgWorkStore, account_of_batch
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, DeadReason, TxStatus
@@ -175,12 +177,17 @@ class Drainer:
                     return
             except LockLost as exc:
                 report.result = "lock_lost"
-                log.warning("lock_lost", account_id=account_id, reason=str(exc))
+                log.warning(
+                    "drain_stopped_lock_lost",
+                    account_id=account_id,
+                    fence_token=token,
+                    reason=str(exc),
+                )
             except FencedOut as exc:
                 # counted here, once: the data layer only raises
                 FENCING_REJECTIONS.inc()
                 report.result = "fenced_out"
-                log.warning("fenced_out", account_id=account_id, reason=str(exc))
+                log.warning("fenced_out", account_id=account_id, fence_token=token, reason=str(exc))
 
     def _sleep_holding(self, lock: HeldLock, seconds: float) -> None:
         end = self._clock() + max(seconds, 0.0)
@@ -204,7 +211,16 @@ class Drainer:
         guard = _progress_guard(lock)
         try:
             for item in items:
-                outcomes.append(self._process_item(guard, item))
+                # one bind per item (about 3 µs): every line about it names it
+                bound = bind_contextvars(
+                    transaction_id=item.transaction_id, attempt=item.attempts, fence_token=token
+                )
+                try:
+                    outcome = self._process_item(guard, item)
+                    _log_outcome(outcome.decision)
+                finally:
+                    reset_contextvars(**bound)
+                outcomes.append(outcome)
                 lock.progress()
         finally:
             # what was learnt is written even when the lock was lost mid-chunk: the write is
@@ -252,6 +268,13 @@ class Drainer:
             found = self._gateway.lookup_payment(item.account_id, item.idempotency_key, guard=guard)
             lookups += found.sent  # a lookup that never left uses up nothing
             LOOKUPS.labels(found.outcome.value).inc()
+            log.info(
+                "in_doubt_lookup",
+                outcome=found.outcome.value,
+                sent=found.sent,
+                doubt_age=item.doubt_age,
+                lookups=lookups,
+            )
             d = after_lookup(
                 found,
                 attempts=attempts,
@@ -273,12 +296,37 @@ class Drainer:
             found = self._gateway.lookup_payment(item.account_id, item.idempotency_key, guard=guard)
             lookups += found.sent
             LOOKUPS.labels(found.outcome.value).inc()
+            log.info("key_conflict_lookup", outcome=found.outcome.value, sent=found.sent)
             d = after_conflict(
                 found, request, lookups=lookups, doubt_age=item.doubt_age, policy=policy
             )
             return ItemOutcome(item.id, attempts, lookups, d)
         d = after_send(result, attempts=attempts, lookups=lookups, policy=policy, cleared=cleared)
         return ItemOutcome(item.id, attempts, lookups, d)
+
+
+def _log_outcome(d: Decision) -> None:
+    """One line per item that did not succeed (a success is a debug line: the hot path)."""
+    if d.status is TxStatus.SUCCEEDED:
+        log.debug("item_succeeded")
+    elif d.status is TxStatus.DEAD:
+        log.error(
+            "dead_letter",
+            reason=d.dead_reason.value if d.dead_reason else None,
+            error_class=d.error_class,
+            error=d.error,
+        )
+    elif d.status is TxStatus.FAILED:
+        log.info("item_failed", reason=d.error_class, error=d.error)
+    else:
+        # retryable (nothing applied) or unknown (maybe sent: looked up next)
+        log.info(
+            "item_retry",
+            status=d.status.value,
+            reason=d.error_class,
+            delay=round(d.delay, 3),
+            error=d.error,
+        )
 
 
 def _progress_guard(lock: HeldLock) -> Guard:
@@ -325,8 +373,14 @@ def run_batch_task(
         log.warning("batch_missing", batch_id=batch_id)
         TASK_EXECUTIONS.labels("missing").inc()
         return DrainReport(account_id="", result="missing")
-    if scheduled_due_ms is not None:
-        # before draining: what this drain (or the holder it marks) schedules next must find
-        # no marker of a message that has already arrived
-        clear_schedule(rt, account_id, scheduled_due_ms)
-    return run_account(account_id, batch_id, rt)
+    # every line of this run names the account; restored after, so a caller's context is
+    # left as it was (a task's is cleared at task_postrun anyway)
+    bound = bind_contextvars(account_id=account_id)
+    try:
+        if scheduled_due_ms is not None:
+            # before draining: what this drain (or the holder it marks) schedules next must
+            # find no marker of a message that has already arrived
+            clear_schedule(rt, account_id, scheduled_due_ms)
+        return run_account(account_id, batch_id, rt)
+    finally:
+        reset_contextvars(**bound)

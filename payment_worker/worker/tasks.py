@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from celery import Task
+from structlog.contextvars import bind_contextvars
 
 from payment_worker import runtime
 from payment_worker.worker import dlq  # the crash hooks and the dlq queue's task
@@ -22,6 +23,7 @@ def process_account_batch(self: Task, batch_id: str, scheduled_due_ms: int | Non
     older version fails such a message, unexpected keyword: the sweeper re-enqueues the
     account once it is stale.)
     """
+    bind_contextvars(batch_id=batch_id)  # cleared at task_postrun (worker/log_context.py)
     report = run_batch_task(batch_id, runtime.current(), scheduled_due_ms=scheduled_due_ms)
     if report.result == "missing":
         # DLQ hook: a batch id that does not exist is a task_crashed dead letter

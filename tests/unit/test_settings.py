@@ -78,3 +78,54 @@ def test_the_stall_bound_stays_above_a_holder_waiting_on_the_gateway() -> None:
         lock_max_stall_seconds=4.0,
     )
     assert quick.gateway_quiet_max_seconds == pytest.approx(3.7)
+
+
+@pytest.mark.parametrize(
+    "url", ["https://gateway.example.com", "http://10.0.0.5:8700", "http://gateway-sim:8700"]
+)
+def test_a_real_gateway_needs_its_secret(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    monkeypatch.delenv("GATEWAY_CLIENT_SECRET", raising=False)
+    monkeypatch.setenv("GATEWAY_URL", url)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    line = describe_error(info.value)
+    assert line.startswith("invalid setting GATEWAY_CLIENT_SECRET: required") and "\n" not in line
+    monkeypatch.setenv("GATEWAY_CLIENT_SECRET", "s3cret-value")
+    secret = Settings().gateway_client_secret
+    assert secret is not None and secret.get_secret_value() == "s3cret-value"
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:8700", "http://localhost:9000", "http://[::1]:8700"]
+)
+def test_the_local_simulator_needs_no_secret(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    monkeypatch.delenv("GATEWAY_CLIENT_SECRET", raising=False)
+    monkeypatch.setenv("GATEWAY_URL", url)
+    secret = Settings().gateway_client_secret
+    assert secret is not None and secret.get_secret_value() == "sim-secret"
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"), [("", None), ("auto", None), ("true", True), ("false", False)]
+)
+def test_log_json_auto(monkeypatch: pytest.MonkeyPatch, value: str, parsed: bool | None) -> None:
+    monkeypatch.setenv("LOG_JSON", value)
+    assert Settings().log_json is parsed
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("DATABASE_URL", "mysql://app:Hunter2-pw@db/pay"),
+        ("DATABASE_URL", "postgresql://app:Hunter2-pw@db:notaport/pay"),
+        ("REDIS_URL", "http://:Hunter2-pw@cache:6379/0"),
+    ],
+)
+def test_a_bad_url_is_shown_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    line = describe_error(info.value)
+    assert var in line and ":***@" in line and "Hunter2-pw" not in line
