@@ -101,3 +101,10 @@ SUBMIT_DUPLICATES = Counter(
 ENQUEUE_FAILURES = Counter(
     "payment_worker_enqueue_failures_total", "Broker publishes that failed (the sweeper enqueues later)."
 )
+
+# --- dbpool: database connections and transient errors ---------------------------------------
+DB_RETRIES = Counter(
+    "payment_worker_db_retries_total",
+    "Database statements retried on a fresh connection after a transient error.",
+    ["reason"],
+)
