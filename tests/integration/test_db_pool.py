@@ -1,0 +1,65 @@
+"""DB_POOL_SIZE is a hard bound: a real worker at high concurrency, holders overlapping on a
+slow gateway, never has more Postgres backends than its pool, and still drains fast because
+no connection is held across a gateway call."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from payment_worker import runtime
+from payment_worker.dev.local_cluster import LocalCluster
+from payment_worker.dev.reconcile import reconcile
+from payment_worker.dev.samples import make_batches
+from payment_worker.producer.submit import submit_batch
+from tests.conftest import PwEnv, ServiceUrls, _with_db
+from tests.db_watch import BackendWatch, wait_terminal
+
+POOL_SIZE = 4
+CONCURRENCY = 50
+ACCOUNTS, ITEMS = 100, 8
+LATENCY_MS = 100
+
+
+def test_a_worker_never_exceeds_its_pool_whatever_its_concurrency(
+    pw_env: PwEnv, service_urls: ServiceUrls, tmp_path: Path
+) -> None:
+    env = {
+        **os.environ,
+        "METRICS_PORT": "0",
+        "DB_POOL_SIZE": str(POOL_SIZE),
+        "GATEWAY_RATE_PER_SECOND": "100",
+        "PROCESS_CHUNK_SIZE": "20",
+    }
+    total = ACCOUNTS * ITEMS
+    with LocalCluster(workdir=tmp_path, env=env, concurrency=CONCURRENCY) as cluster:
+        cluster.start_simulator(rate=100, latency_ms=LATENCY_MS)
+        for b in make_batches(batches=ACCOUNTS, items=ITEMS, accounts=ACCOUNTS, prefix="pool"):
+            assert submit_batch(b).status == "accepted"
+        worker = cluster.start_worker()
+        admin = _with_db(service_urls.pg_admin, "postgres")
+        started = time.monotonic()
+        with BackendWatch(admin, pw_env.database_url, worker.pid) as watch:
+            counts = wait_terminal(pw_env.database_url, total, timeout=240)
+        elapsed = time.monotonic() - started
+        ledger = cluster.ledger()
+        log = (tmp_path / "worker1.log").read_text(errors="replace")
+    assert counts.get("succeeded", 0) == total, (counts, log[-3000:])
+    # the bound: every sample, whatever the 50 threads were doing
+    assert watch.backends, "no sample taken"
+    assert max(watch.backends) <= POOL_SIZE, watch.backends
+    assert max(watch.backends) >= 1  # the samples did see the worker's connections
+    # and the threads were not throttled to the pool: far more accounts in flight at once
+    # (claimed, waiting on the gateway) than connections
+    assert max(watch.in_flight) > 3 * POOL_SIZE, max(watch.in_flight)
+    print(
+        f"\n{total} items in {elapsed:.1f}s ({total / elapsed:.0f} items/s, shared machine);"
+        f" backends max {max(watch.backends)} (DB_POOL_SIZE={POOL_SIZE}),"
+        f" accounts in flight max {max(watch.in_flight)}"
+    )
+    assert "raised unexpected" not in log, log[-3000:]  # no task failed
+    with runtime.current().engine.connect() as conn:
+        rec = reconcile(conn, ledger)
+    assert rec.ok, rec.summary()
+    assert ledger["double_payments"] == []
