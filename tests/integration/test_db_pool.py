@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from payment_worker import runtime
 from payment_worker.dev.local_cluster import LocalCluster
@@ -63,3 +64,41 @@ def test_a_worker_never_exceeds_its_pool_whatever_its_concurrency(
         rec = reconcile(conn, ledger)
     assert rec.ok, rec.summary()
     assert ledger["double_payments"] == []
+
+
+def _round_trips(trace: str) -> int:
+    """Client round trips in a libpq trace: each simple Query or extended-protocol Sync."""
+    sent = [line.split("\t") for line in trace.splitlines()]
+    return sum(1 for f in sent if len(f) > 3 and f[1] == "F" and f[3] in ("Query", "Sync"))
+
+
+def test_each_store_call_and_the_fence_cost_one_round_trip(pw_env: PwEnv, tmp_path: Path) -> None:
+    from sqlalchemy import event
+
+    from payment_worker.db.engine import autocommit, make_engine
+    from payment_worker.db.work import PgWorkStore
+    from payment_worker.locks.account_lock import _fence
+
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    engine = make_engine(url, pool_size=1)
+    trace_path = tmp_path / "libpq.trace"
+    with trace_path.open("w") as trace_file:
+
+        @event.listens_for(engine, "connect")
+        def _trace(dbapi_conn: Any, record: Any) -> None:
+            dbapi_conn.pgconn.trace(trace_file.fileno())
+
+        store = PgWorkStore(autocommit(engine))
+        token = _fence(autocommit(engine), "acct-rt")  # warms the one connection up
+        trace_file.flush()
+        start = trace_path.stat().st_size
+        token = _fence(autocommit(engine), "acct-rt")
+        assert store.claim_due("acct-rt", token, 5) == []
+        assert store.seconds_until_next_due("acct-rt") is None
+        assert store.complete_batches("acct-rt", token) == []
+        trace_file.flush()
+        calls = trace_path.read_text()[start:]
+    engine.dispose()
+    # four calls, four round trips: no ping, no BEGIN, no COMMIT, the connection checked out
+    # and given back around each
+    assert _round_trips(calls) == 4, calls
