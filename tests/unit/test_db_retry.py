@@ -226,3 +226,34 @@ def test_past_the_bound_the_account_is_released_and_handed_back() -> None:
     # sent once, outcome not recorded: the next holder looks them up before any resend
     assert all(r.status is TxStatus.DISPATCHING for r in rows)
     assert all(gateway.sends(r.key) == 1 for r in rows)
+
+
+class BlippingLock(FakeLock):
+    """A lock whose fencing-token step fails with a transient error while ``failures`` last."""
+
+    def __init__(self, failures: list[BaseException], *args: Any) -> None:
+        super().__init__(*args)
+        self.failures = failures
+
+    def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
+        if self.failures:
+            raise self.failures.pop()
+        return super().acquire(blocking, timeout)
+
+
+def test_taking_the_fencing_token_is_retried_too() -> None:
+    clock = FakeClock()
+    store, gateway, queue, holders = FakeStore(clock), FakeGateway(), FakeQueue(), {}
+    rows = store.add(ACCT, 1, 2)
+    drainer = _drainer(store, clock, gateway, queue, holders)
+    failures: list[BaseException] = [ADMIN_SHUTDOWN, ADMIN_SHUTDOWN]
+    drainer._lock_for = lambda a: BlippingLock(failures, a, store, holders)  # type: ignore[method-assign]
+    report = drainer.run_account(ACCT, "batch-1")
+    assert report.result == "processed" and store.statuses() == {"succeeded": 2}
+    assert all(gateway.sends(r.key) == 1 for r in rows)
+    # and past the bound: handed back, nothing sent, nothing held
+    rows = store.add(ACCT, 2, 2)
+    failures.extend([ADMIN_SHUTDOWN] * 1000)
+    report = drainer.run_account(ACCT, "batch-2")
+    assert report.result == "db_unavailable" and queue.handed_off == [(ACCT, "batch-2")]
+    assert holders == {} and all(gateway.sends(r.key) == 0 for r in rows)
