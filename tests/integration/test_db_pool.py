@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from payment_worker import runtime
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.reconcile import reconcile
@@ -102,3 +104,43 @@ def test_each_store_call_and_the_fence_cost_one_round_trip(pw_env: PwEnv, tmp_pa
     # four calls, four round trips: no ping, no BEGIN, no COMMIT, the connection checked out
     # and given back around each
     assert _round_trips(calls) == 4, calls
+
+
+def test_an_idle_connection_killed_meanwhile_is_replaced_at_checkout(
+    pw_env: PwEnv, monkeypatch: Any
+) -> None:
+    import psycopg
+    import sqlalchemy
+
+    from payment_worker.db import engine as engine_mod
+    from payment_worker.db.retry import transient_reason
+
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    engine = engine_mod.make_engine(url, pool_size=1, application_name="pw-idle-test")
+
+    def kill() -> None:
+        with psycopg.connect(pw_env.database_url, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = 'pw-idle-test'"
+            )
+
+    try:
+        with engine.connect() as conn:
+            first = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        kill()
+        # a connection idle for less than PING_AFTER_IDLE_S is not pinged: its statement
+        # fails, transiently (the drain retries it on a fresh connection)
+        with pytest.raises(sqlalchemy.exc.DBAPIError) as caught, engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+        assert transient_reason(caught.value) is not None
+        with engine.connect() as conn:
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        assert pid != first
+        # idle longer: pinged at checkout, found dead, replaced before the caller sees it
+        kill()
+        monkeypatch.setattr(engine_mod, "PING_AFTER_IDLE_S", 0.0)
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() not in (first, pid)
+    finally:
+        engine.dispose()
