@@ -91,6 +91,13 @@ IN_PROGRESS = Gauge(
     multiprocess_mode="livesum",
 )
 
+# --- dbpool: database connections and transient errors ---------------------------------------
+DB_RETRIES = Counter(
+    "payment_worker_db_retries_total",
+    "Database statements retried on a fresh connection after a transient error.",
+    ["reason"],
+)
+
 # --- producer -------------------------------------------------------------------------------
 BATCHES_SUBMITTED = Counter(
     "payment_worker_batches_submitted_total", "Batches submitted, by result.", ["status"]
@@ -100,11 +107,4 @@ SUBMIT_DUPLICATES = Counter(
 )
 ENQUEUE_FAILURES = Counter(
     "payment_worker_enqueue_failures_total", "Broker publishes that failed (the sweeper enqueues later)."
-)
-
-# --- dbpool: database connections and transient errors ---------------------------------------
-DB_RETRIES = Counter(
-    "payment_worker_db_retries_total",
-    "Database statements retried on a fresh connection after a transient error.",
-    ["reason"],
 )
