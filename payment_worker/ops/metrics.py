@@ -97,6 +97,18 @@ DB_RETRIES = Counter(
     "Database statements retried on a fresh connection after a transient error.",
     ["reason"],
 )
+# its label values (db.retry.REASONS, checked equal by tests/unit/test_db_retry.py)
+DB_RETRY_REASONS = (
+    "admin_shutdown",
+    "crash_shutdown",
+    "cannot_connect_now",
+    "serialization_failure",
+    "deadlock",
+    "read_only",
+    "connection",
+    "disconnect",
+    "pool_timeout",
+)
 
 # --- producer -------------------------------------------------------------------------------
 BATCHES_SUBMITTED = Counter(

@@ -68,6 +68,12 @@ def test_what_is_transient(error: BaseException, reason: str | None) -> None:
     assert reason is None or reason in REASONS
 
 
+def test_the_metric_knows_every_reason() -> None:
+    from payment_worker.ops.metrics import DB_RETRY_REASONS
+
+    assert set(DB_RETRY_REASONS) == set(REASONS)
+
+
 def _retries(reason: str) -> float:
     return REGISTRY.get_sample_value("payment_worker_db_retries_total", {"reason": reason}) or 0.0
 
