@@ -24,3 +24,8 @@ class FencedOut(PaymentWorkerError):
 
 class LockNotAcquired(PaymentWorkerError):
     """The account lock is held by someone else."""
+
+
+class DatabaseUnavailable(PaymentWorkerError):
+    """Transient database errors lasted past ``DB_RETRY_MAX_SECONDS``: the holder gives its
+    account back (released, re-enqueued) instead of failing its task."""

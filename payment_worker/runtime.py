@@ -1,7 +1,8 @@
 """The per-process runtime: the settings and every client, built once, passed explicitly.
 
 A :class:`Runtime` holds what the service's pieces share inside one process: the settings,
-where the servers are, the SQLAlchemy engines, the Redis clients and the gateway client.
+where the servers are, the SQLAlchemy engine (one bounded pool), the Redis clients and the
+gateway client.
 It is built once per process (at the start of each CLI command; in ``worker_init`` and
 ``worker_process_init`` for Celery workers) and handed to the lock, the gateway client, the
 drain loop, the sweeper and the producer. Nothing else in the package keeps a per-process
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import redis
 from sqlalchemy import Engine
 
-from payment_worker.db.engine import ConnectionLimits, make_engine, make_fence_engine
+from payment_worker.db.engine import ConnectionLimits, application_name, autocommit, make_engine
 from payment_worker.domain.retry import Backoff
 from payment_worker.domain.transitions import Policy
 from payment_worker.gateway.client import GatewayClient
@@ -76,9 +77,19 @@ class Runtime:
         self.pid = os.getpid()
         # statement and lock timeouts, TCP keepalives: no connection blocks for ever
         limits = ConnectionLimits.from_settings(s)
-        self.engine: Engine = make_engine(self.urls.sqlalchemy, limits=limits)
-        # the fencing upsert on every lock acquisition: its own small pool, no pre-ping
-        self.fence_engine: Engine = make_fence_engine(self.urls.sqlalchemy, limits=limits)
+        # one pool per process, DB_POOL_SIZE connections and never more; each named after
+        # this process in pg_stat_activity
+        self.engine: Engine = make_engine(
+            self.urls.sqlalchemy,
+            pool_size=s.db_pool_size,
+            pool_timeout=s.db_pool_timeout,
+            limits=limits,
+            application_name=application_name(self.pid),
+            pgbouncer=s.db_pgbouncer,
+        )
+        # the same pool in autocommit: the drain's one-statement calls and the fencing
+        # upsert of every lock acquisition (one round trip each)
+        self.autocommit_engine: Engine = autocommit(self.engine)
         self.redis: redis.Redis = redis.Redis.from_url(self.urls.redis, health_check_interval=10)
         # renewals: no client-side retries, a socket timeout of at most TTL/3
         self.renewal_redis: redis.Redis = renewal_client(self.redis, s.lock_ttl_ms)
@@ -88,6 +99,11 @@ class Runtime:
         )
         self.gateway = GatewayClient(s, self.redis)
         self.keys = RedisKeys(s.redis_key_prefix)
+
+    @property
+    def fence_engine(self) -> Engine:
+        """The engine of the fencing upsert: :attr:`autocommit_engine` (the one pool)."""
+        return self.autocommit_engine
 
     @property
     def policy(self) -> Policy:
@@ -113,7 +129,7 @@ class Runtime:
         return AccountLock(
             self.redis,
             account_id,
-            engine=self.fence_engine,
+            engine=self.autocommit_engine,
             ttl_ms=s.lock_ttl_ms,
             safety_margin_ms=s.lock_safety_margin_ms,
             key_prefix=s.redis_key_prefix,
@@ -127,14 +143,12 @@ class Runtime:
         for client in (self.redis, self.renewal_redis, self.dedup_redis):
             client.close()
             client.connection_pool.disconnect()
-        self.engine.dispose()
-        self.fence_engine.dispose()
+        self.engine.dispose()  # the autocommit view shares its pool
 
     def abandon(self) -> None:
         """Drop the clients without touching their sockets: in a forked child, which must
         neither use nor close what it shares with its parent."""
         self.engine.dispose(close=False)
-        self.fence_engine.dispose(close=False)
         for client in (self.redis, self.renewal_redis, self.dedup_redis):
             client.connection_pool.reset()
 

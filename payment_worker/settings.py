@@ -86,6 +86,20 @@ class Settings(BaseSettings):
     # how long sent data may stay unacknowledged before the connection is dropped; 0: the OS's
     db_tcp_user_timeout_ms: int = Field(60_000, ge=0)
 
+    # --- database pool, PgBouncer, transient errors (dbpool; docs/configuration.md) --------
+    # Postgres connections per process, never exceeded (no overflow); statements check one
+    # out and give it back, none is held across a gateway call
+    db_pool_size: int = Field(10, ge=1, le=1000)
+    # how long a statement waits for a free pooled connection before it fails (transient:
+    # the drain retries it)
+    db_pool_timeout: float = Field(5.0, gt=0)
+    # the database is reached through PgBouncer in transaction pooling mode: no startup
+    # options (the timeouts come from the role), no prepared statements
+    db_pgbouncer: bool = False
+    # a drain retries transient database errors (disconnects, admin shutdown, failover,
+    # serialization failures, pool timeouts) for this long, then hands the account back
+    db_retry_max_seconds: float = Field(10.0, gt=0)
+
     # --- gateway --------------------------------------------------------------------------
     gateway_url: str = "http://127.0.0.1:8700"
     # required unless GATEWAY_URL is on a loopback host (the simulator's secret is used then)
@@ -238,6 +252,17 @@ class Settings(BaseSettings):
                 "(GATEWAY_CONNECT_TIMEOUT + GATEWAY_READ_TIMEOUT) + 3 "
                 f"({self.gateway_quiet_max_seconds:g}s), the longest a holder that is only "
                 "waiting on the gateway goes without reporting progress"
+            )
+        if self.db_retry_max_seconds > self.lock_max_stall_seconds / 2:
+            raise ValueError(
+                "DB_RETRY_MAX_SECONDS must be at most half of LOCK_MAX_STALL_SECONDS "
+                f"({self.lock_max_stall_seconds / 2:g}s): a holder retrying a database error "
+                "gives its account back well before it would count as stalled"
+            )
+        if self.db_pool_timeout > self.db_retry_max_seconds:
+            raise ValueError(
+                "DB_POOL_TIMEOUT must not exceed DB_RETRY_MAX_SECONDS: a wait for a free "
+                "connection is one try of the drain's retry, which must fit in its bound"
             )
         if (
             self.in_doubt_max_seconds > self.key_trust_seconds / 2

@@ -1,24 +1,33 @@
-"""SQLAlchemy engines: the service's pooled engine, and the fencing upsert's small one.
+"""The process's one SQLAlchemy engine: a bounded pool shared by every caller.
 
 Built by :class:`~payment_worker.runtime.Runtime`, once per process; never cached here.
 
-Every connection of both engines starts with the service's :class:`ConnectionLimits`: a
+One pool of ``DB_POOL_SIZE`` connections and no overflow, so a worker process never holds
+more Postgres connections than that, whatever its concurrency. Nobody keeps a connection
+across a gateway call: the drain's store checks one out per statement
+(:class:`~payment_worker.db.work.PgWorkStore`), and so does the fencing upsert of each lock
+acquisition, through the engine's autocommit view (:func:`autocommit`: the same pool).
+
+Every connection starts with the service's :class:`ConnectionLimits`: a
 ``statement_timeout`` and a ``lock_timeout`` sent at connect time (libpq ``options``, so no
-``SET`` round trip, and nothing a transaction-mode pooler would have to carry over from one
-client to the next), and TCP keepalives plus a TCP user timeout, so that a statement blocked
+``SET`` round trip), and TCP keepalives plus a TCP user timeout, so that a statement blocked
 on a lock, a server that stopped answering or a silently dropped network never holds a
-worker (and its account lock) for ever.
+worker (and its account lock) for ever. Behind PgBouncer (``DB_PGBOUNCER``) the timeouts
+come from the database role instead, and no statement is ever prepared.
 """
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DisconnectionError
 
 if TYPE_CHECKING:
     from payment_worker.settings import Settings
@@ -54,12 +63,20 @@ class ConnectionLimits:
             tcp_user_timeout_ms=s.db_tcp_user_timeout_ms,
         )
 
-    def connect_args(self, url: str) -> dict[str, Any]:
-        """libpq connection parameters for an engine on ``url`` (SQLAlchemy form).
+    def connect_args(
+        self, url: str, *, application_name: str | None = None, pgbouncer: bool = False
+    ) -> dict[str, Any]:
+        """libpq (and psycopg) connection parameters for an engine on ``url`` (SQLAlchemy form).
 
         Server settings go in libpq's ``options`` (``-c name=value``), appended to any
         ``options`` the URL already carries; keepalives and the TCP user timeout are
         ignored by libpq on a unix socket (the embedded server's), which needs none.
+        ``application_name`` names the process in ``pg_stat_activity`` (unless the URL names
+        one). ``pgbouncer``: the server is reached through PgBouncer in transaction pooling
+        mode, so nothing goes in ``options`` (PgBouncer refuses the startup parameter; the
+        timeouts then come from the role, see docs/configuration.md) and psycopg never
+        prepares a statement (a prepared statement lives in one server session, which the
+        next transaction may not get).
         """
         server = [
             f"-c {name}={value}"
@@ -67,7 +84,7 @@ class ConnectionLimits:
                 ("statement_timeout", self.statement_timeout_ms),
                 ("lock_timeout", self.lock_timeout_ms),
             )
-            if value > 0
+            if value > 0 and not pgbouncer
         ]
         args: dict[str, Any] = {
             "connect_timeout": CONNECT_TIMEOUT_S,
@@ -78,43 +95,94 @@ class ConnectionLimits:
         }
         if self.tcp_user_timeout_ms > 0:
             args["tcp_user_timeout"] = self.tcp_user_timeout_ms
+        query = make_url(url).query
         if server:
-            given = make_url(url).query.get("options")
+            given = query.get("options")
             if isinstance(given, tuple):
                 given = " ".join(given)
             args["options"] = " ".join([given, *server] if given else server)
+        if application_name and "application_name" not in query:
+            args["application_name"] = application_name
+        if pgbouncer:
+            args["prepare_threshold"] = None
         return args
 
 
-def make_engine(url: str, *, pool_size: int = 5, limits: ConnectionLimits | None = None) -> Engine:
-    """A pooled engine for ``url`` (a SQLAlchemy URL); ``limits`` default to keepalives
-    only (no server-side timeouts), the Runtime passes the settings' ones."""
+def application_name(pid: int, host: str | None = None) -> str:
+    """``payment-worker:<pid>@<host>``: one process's name in ``pg_stat_activity`` (the
+    server keeps 63 bytes; the pid comes first so that a long host name cannot cut it)."""
+    host = host if host is not None else socket.gethostname()
+    return f"payment-worker:{pid}@{host}"[:63]
+
+
+def make_engine(
+    url: str,
+    *,
+    pool_size: int = 5,
+    pool_timeout: float = 5.0,
+    limits: ConnectionLimits | None = None,
+    application_name: str | None = None,
+    pgbouncer: bool = False,
+) -> Engine:
+    """The process's one pooled engine for ``url`` (a SQLAlchemy URL).
+
+    At most ``pool_size`` connections, ever (no overflow): a caller that finds them all
+    checked out waits up to ``pool_timeout`` seconds, then gets SQLAlchemy's
+    ``TimeoutError`` (a transient error, see :mod:`payment_worker.db.retry`). No pre-ping
+    on every checkout (it would double the round trips of the drain's one-statement
+    calls): a connection idle for :data:`PING_AFTER_IDLE_S` is pinged when checked out, and
+    one that dies under a statement invalidates its whole generation (SQLAlchemy), so the
+    retry gets a fresh one. ``limits`` default to keepalives only (no server-side
+    timeouts); the Runtime passes the settings' ones. ``pgbouncer``: see
+    :meth:`ConnectionLimits.connect_args`.
+    """
     limits = limits if limits is not None else ConnectionLimits()
-    return create_engine(
+    engine = create_engine(
         url,
         pool_size=pool_size,
-        max_overflow=pool_size * 2,
-        pool_pre_ping=True,
-        pool_recycle=1800,
-        connect_args=limits.connect_args(url),
-    )
-
-
-def make_fence_engine(url: str, *, limits: ConnectionLimits | None = None) -> Engine:
-    """A small autocommit pool without pre-ping, for the fencing upsert of each lock
-    acquisition: exactly one round trip (a pre-ping is one more, BEGIN/COMMIT two more). A
-    dead pooled connection is retried once by the lock. Its ``lock_timeout`` bounds how
-    long a new holder waits behind an old holder's fenced statement."""
-    limits = limits if limits is not None else ConnectionLimits()
-    return create_engine(
-        url,
-        pool_size=2,
-        max_overflow=8,
+        max_overflow=0,
+        pool_timeout=pool_timeout,
         pool_pre_ping=False,
+        pool_use_lifo=True,  # the hot few stay hot; the rest idle (and get pinged)
         pool_recycle=1800,
-        isolation_level="AUTOCOMMIT",
-        connect_args=limits.connect_args(url),
+        connect_args=limits.connect_args(
+            url, application_name=application_name, pgbouncer=pgbouncer
+        ),
     )
+    _ping_after_idle(engine)
+    return engine
+
+
+def autocommit(engine: Engine) -> Engine:
+    """A view of ``engine`` (same pool, same budget) whose connections run in autocommit:
+    each statement is its own transaction, with no BEGIN/COMMIT round trips (psycopg
+    switches autocommit on the client side). The drain's store and the fencing upsert use it.
+    """
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
+# a pooled connection unused for this long is pinged at checkout (one round trip), so a
+# server restart during a quiet spell costs nobody an error; busy connections are not
+PING_AFTER_IDLE_S = 5.0
+_CHECKED_IN = "pw_checked_in"
+
+
+def _ping_after_idle(engine: Engine) -> None:
+    def on_checkin(dbapi_conn: Any, record: Any) -> None:
+        record.info[_CHECKED_IN] = time.monotonic()
+
+    def on_checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        idle_since = record.info.get(_CHECKED_IN)
+        if idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:
+            # the pool then replaces this connection (and retries the checkout)
+            raise DisconnectionError(f"stale pooled connection: {exc}") from exc
+
+    event.listen(engine.pool, "checkin", on_checkin)
+    event.listen(engine.pool, "checkout", on_checkout)
 
 
 @contextmanager

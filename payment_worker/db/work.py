@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, text
 
+from payment_worker.db.engine import autocommit
 from payment_worker.db.fences import FENCE_CTE, execute_fenced, fence_params
 from payment_worker.db.models import OPEN_TX_PREDICATE, sql_values
 from payment_worker.domain.statuses import (
@@ -351,33 +352,40 @@ def open_counts(conn: Connection) -> dict[str, int]:
 
 
 class PgWorkStore:
-    """The drain loop's :class:`~payment_worker.worker.ports.WorkStore` on one connection in
-    autocommit: each call is its own short transaction, none spans a gateway call."""
+    """The drain loop's :class:`~payment_worker.worker.ports.WorkStore`: each call checks a
+    connection out of the pool, runs its one statement in autocommit (its own short
+    transaction) and gives the connection back, so no connection is held across a gateway
+    call and a holder waiting on the gateway costs the pool nothing. A call that fails on a
+    dead connection leaves the next one a fresh connection (the pool drops the dead one)."""
 
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
+    def __init__(self, engine: Engine) -> None:
+        # the autocommit view of the process's engine (db.engine.autocommit)
+        self._engine = engine
 
     @classmethod
     @contextmanager
     def open(cls, engine: Engine) -> Iterator[PgWorkStore]:
-        """A store on a pooled connection, given back when the drain ends."""
-        with engine.connect() as base:
-            yield cls(base.execution_options(isolation_level="AUTOCOMMIT"))
+        """A store on ``engine``'s pool for one drain (nothing to give back at the end)."""
+        yield cls(autocommit(engine))
 
     def claim_due(self, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
         """See :func:`claim_due`."""
-        return claim_due(self._conn, account_id, token, limit)
+        with self._engine.connect() as conn:
+            return claim_due(conn, account_id, token, limit)
 
     def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
         """See :func:`record_outcomes`."""
-        return record_outcomes(self._conn, account_id, token, outcomes)
+        with self._engine.connect() as conn:
+            return record_outcomes(conn, account_id, token, outcomes)
 
     def complete_batches(
         self, account_id: str, token: int, batch_pks: Sequence[int] | None = None
     ) -> list[str]:
         """See :func:`complete_batches`."""
-        return complete_batches(self._conn, account_id, token, batch_pks)
+        with self._engine.connect() as conn:
+            return complete_batches(conn, account_id, token, batch_pks)
 
     def seconds_until_next_due(self, account_id: str) -> float | None:
         """See :func:`seconds_until_next_due`."""
-        return seconds_until_next_due(self._conn, account_id)
+        with self._engine.connect() as conn:
+            return seconds_until_next_due(conn, account_id)

@@ -91,7 +91,7 @@ def lock_is_held(redis: redis.Redis, account_id: str, key_prefix: str | None = N
 def _fence(engine: sqlalchemy.Engine, account_id: str) -> int:
     """The account's next fencing token; a stale pooled connection is retried once.
 
-    ``engine`` is best an autocommit pool without pre-ping (``db.engine.make_fence_engine``):
+    ``engine`` is best an autocommit view of a pool without pre-ping (``db.engine.autocommit``):
     the upsert is then one round trip. A retry may burn a number (the first upsert may have
     committed before the connection died); tokens only need to grow, so a gap is harmless.
     """

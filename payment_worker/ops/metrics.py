@@ -127,6 +127,25 @@ IN_PROGRESS = Gauge(
     multiprocess_mode="livesum",
 )
 
+# --- dbpool: database connections and transient errors ---------------------------------------
+DB_RETRIES = Counter(
+    "payment_worker_db_retries_total",
+    "Database statements retried on a fresh connection after a transient error.",
+    ["reason"],
+)
+# its label values (db.retry.REASONS, checked equal by tests/unit/test_db_retry.py)
+DB_RETRY_REASONS = (
+    "admin_shutdown",
+    "crash_shutdown",
+    "cannot_connect_now",
+    "serialization_failure",
+    "deadlock",
+    "read_only",
+    "connection",
+    "disconnect",
+    "pool_timeout",
+)
+
 # --- producer -------------------------------------------------------------------------------
 BATCHES_SUBMITTED = Counter(
     "payment_worker_batches_submitted_total", "Batches submitted, by result.", ["status"]
@@ -144,7 +163,15 @@ ENQUEUE_FAILURES = Counter(
 GATEWAY_ENDPOINTS = ("create", "lookup")
 LOCK_LOST_REASONS = ("expired", "stolen", "unreachable", "deadline", "stalled")
 DEAD_LETTER_REASONS = (*(r.value for r in DeadReason), "task_crashed")
-TASK_RESULTS = ("processed", "idle", "contended", "lock_lost", "fenced_out", "missing")
+TASK_RESULTS = (
+    "processed",
+    "idle",
+    "contended",
+    "lock_lost",
+    "fenced_out",
+    "missing",
+    "db_unavailable",
+)
 SUBMIT_RESULTS = ("accepted", "duplicate", "rejected")
 
 _PRESETS: tuple[tuple[MetricWrapperBase, tuple[tuple[str, ...], ...]], ...] = (
@@ -163,6 +190,7 @@ _PRESETS: tuple[tuple[MetricWrapperBase, tuple[tuple[str, ...], ...]], ...] = (
     (DEAD_LETTERS_REPLAYED, tuple((r,) for r in DEAD_LETTER_REASONS)),
     (DEAD_LETTERS_RESOLVED, tuple((r,) for r in DEAD_LETTER_REASONS)),
     (TASK_EXECUTIONS, tuple((r,) for r in TASK_RESULTS)),
+    (DB_RETRIES, tuple((r,) for r in DB_RETRY_REASONS)),
     (SWEEPS, (("ok",), ("skipped",), ("broker_error",))),
     (BATCHES_SUBMITTED, tuple((r,) for r in SUBMIT_RESULTS)),
     (SUBMIT_DUPLICATES, (("redis",), ("postgres",))),

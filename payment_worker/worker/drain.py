@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import partial
 
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
@@ -36,7 +37,7 @@ from payment_worker.domain.transitions import (
     after_lookup,
     after_send,
 )
-from payment_worker.errors import FencedOut, LockLost
+from payment_worker.errors import DatabaseUnavailable, FencedOut, LockLost
 from payment_worker.gateway.outcomes import Outcome
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
@@ -51,7 +52,8 @@ from payment_worker.ops.metrics import (
 )
 from payment_worker.runtime import Runtime
 from payment_worker.worker.ports import AccountQueue, Gateway, Guard, HeldLock, WorkStore
-from payment_worker.worker.queueing import RedisAccountQueue, clear_schedule
+from payment_worker.worker.queueing import RedisAccountQueue, clear_schedule, hand_off
+from payment_worker.worker.store_retry import DbRetry, RetryingStore
 
 log = get_logger("processing")
 
@@ -61,7 +63,8 @@ class DrainReport:
     """What one task execution did."""
 
     account_id: str
-    result: str = "idle"  # processed | idle | contended | lock_lost | fenced_out | missing
+    # processed | idle | contended | lock_lost | fenced_out | missing | db_unavailable
+    result: str = "idle"
     items: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     scheduled_in: float | None = None
@@ -91,6 +94,7 @@ class Drainer:
         limits: DrainLimits,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        db_retry: DbRetry | None = None,
     ) -> None:
         self._open_store = open_store
         self._lock_for = lock_for
@@ -100,6 +104,8 @@ class Drainer:
         self._limits = limits
         self._clock = clock
         self._sleep = sleep
+        # DB_RETRY_MAX_SECONDS: transient database errors cost a retry, not the task
+        self._db_retry = db_retry or DbRetry(max_seconds=10.0, clock=clock, sleep=sleep)
 
     def run_account(self, account_id: str, batch_id: str) -> DrainReport:
         """Drain the account's due work if its lock is free; otherwise leave a mark and return."""
@@ -109,7 +115,17 @@ class Drainer:
         report = DrainReport(account_id)
         while True:
             lock = self._lock_for(account_id)
-            if not lock.acquire(blocking=False):
+            try:
+                # the fencing token is a database call: a blip is retried (no lock held)
+                acquired = self._db_retry.call(
+                    "acquire", partial(lock.acquire, blocking=False), account_id=account_id
+                )
+            except DatabaseUnavailable as exc:
+                report.result = "db_unavailable"
+                log.warning("db_unavailable", account_id=account_id, reason=str(exc))
+                self._queue.hand_off(account_id, batch_id)
+                break
+            if not acquired:
                 if report.result == "idle":
                     report.result = "contended"
                 break
@@ -147,7 +163,8 @@ class Drainer:
         token = lock.fence_token
         assert token is not None
         deadline = self._clock() + limits.max_seconds
-        with self._open_store() as store:
+        with self._open_store() as opened:
+            store = RetryingStore(opened, lock, self._db_retry, account_id)
             try:
                 while True:
                     lock.ensure_held()
@@ -188,6 +205,12 @@ class Drainer:
                 FENCING_REJECTIONS.inc()
                 report.result = "fenced_out"
                 log.warning("fenced_out", account_id=account_id, fence_token=token, reason=str(exc))
+            except DatabaseUnavailable as exc:
+                # past DB_RETRY_MAX_SECONDS: run_account releases and re-enqueues; what was
+                # claimed and not recorded is looked up by the next holder
+                report.result = "db_unavailable"
+                report.handed_off = True
+                log.warning("db_unavailable", account_id=account_id, reason=str(exc))
 
     def _sleep_holding(self, lock: HeldLock, seconds: float) -> None:
         end = self._clock() + max(seconds, 0.0)
@@ -344,7 +367,7 @@ def drainer_for(rt: Runtime) -> Drainer:
     """The drain loop on a process's runtime: Postgres, the Redis lock, the gateway client."""
     s = rt.settings
     return Drainer(
-        open_store=lambda: PgWorkStore.open(rt.engine),
+        open_store=lambda: PgWorkStore.open(rt.autocommit_engine),
         lock_for=rt.account_lock,
         gateway=rt.gateway,
         queue=RedisAccountQueue(rt),
@@ -354,6 +377,7 @@ def drainer_for(rt: Runtime) -> Drainer:
             max_seconds=s.drain_max_seconds,
             hold_wait_max_seconds=s.hold_wait_max_seconds,
         ),
+        db_retry=DbRetry(max_seconds=s.db_retry_max_seconds),
     )
 
 
@@ -367,8 +391,16 @@ def run_batch_task(
 ) -> DrainReport:
     """The body of the ``process_account_batch`` task; ``scheduled_due_ms``: the message is
     the account's delayed one (:func:`~payment_worker.worker.queueing.schedule`)."""
-    with rt.engine.connect() as conn:
-        account_id = account_of_batch(conn, batch_id)
+    try:
+        account_id = DbRetry(max_seconds=rt.settings.db_retry_max_seconds).call(
+            "account_of_batch", lambda: _account_of(rt, batch_id), account_id=""
+        )
+    except DatabaseUnavailable as exc:
+        # the message is all this task has: put it back rather than fail (a crash record)
+        log.warning("db_unavailable", batch_id=batch_id, reason=str(exc))
+        TASK_EXECUTIONS.labels("db_unavailable").inc()
+        hand_off("", batch_id)
+        return DrainReport(account_id="", result="db_unavailable")
     if account_id is None:
         log.warning("batch_missing", batch_id=batch_id)
         TASK_EXECUTIONS.labels("missing").inc()
@@ -384,3 +416,8 @@ def run_batch_task(
         return run_account(account_id, batch_id, rt)
     finally:
         reset_contextvars(**bound)
+
+
+def _account_of(rt: Runtime, batch_id: str) -> str | None:
+    with rt.autocommit_engine.connect() as conn:
+        return account_of_batch(conn, batch_id)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from payment_worker.db.engine import ConnectionLimits
+from sqlalchemy.pool import QueuePool
+
+from payment_worker.db.engine import ConnectionLimits, application_name, autocommit, make_engine
 from payment_worker.settings import Settings
 
 URL = "postgresql+psycopg://u@db.example:5432/pw"
@@ -41,3 +43,34 @@ def test_every_setting_is_read() -> None:
         db_tcp_user_timeout_ms=5000,
     )
     assert ConnectionLimits.from_settings(s) == ConnectionLimits(1234, 99, 7, 3, 2, 5000)
+
+
+def test_each_process_names_its_connections() -> None:
+    args = ConnectionLimits().connect_args(URL, application_name=application_name(4242, "host-a"))
+    assert args["application_name"] == "payment-worker:4242@host-a"
+    # a long host name is cut, never the pid; the server keeps 63 bytes
+    assert application_name(7, "h" * 100).startswith("payment-worker:7@")
+    assert len(application_name(7, "h" * 100)) == 63
+    # a name in the URL wins
+    named = ConnectionLimits().connect_args(URL + "?application_name=ops", application_name="x")
+    assert "application_name" not in named
+
+
+def test_behind_pgbouncer_no_startup_options_and_no_prepared_statements() -> None:
+    limits = ConnectionLimits.from_settings(Settings())
+    args = limits.connect_args(URL, pgbouncer=True)
+    # PgBouncer 1.18 refuses the startup parameter "options"; the role carries the timeouts
+    assert "options" not in args
+    assert args["prepare_threshold"] is None
+    assert "prepare_threshold" not in limits.connect_args(URL)
+
+
+def test_the_pool_is_bounded_by_its_size_with_no_overflow() -> None:
+    engine = make_engine(URL, pool_size=7, pool_timeout=2.5)
+    pool = engine.pool
+    assert isinstance(pool, QueuePool)
+    assert pool.size() == 7 and pool._max_overflow == 0 and pool._timeout == 2.5
+    assert not pool._pre_ping  # a ping per checkout would double the drain's round trips
+    # the autocommit view shares the pool: one budget per process
+    assert autocommit(engine).pool is pool
+    engine.dispose()

@@ -76,6 +76,8 @@ def test_the_stall_bound_stays_above_a_holder_waiting_on_the_gateway() -> None:
         gateway_connect_timeout=0.1,
         gateway_read_timeout=0.2,
         lock_max_stall_seconds=4.0,
+        db_retry_max_seconds=1.0,
+        db_pool_timeout=1.0,
     )
     assert quick.gateway_quiet_max_seconds == pytest.approx(3.7)
 
@@ -129,3 +131,16 @@ def test_a_bad_url_is_shown_without_its_password(
         Settings()
     line = describe_error(info.value)
     assert var in line and ":***@" in line and "Hunter2-pw" not in line
+
+
+def test_the_database_retry_bound_stays_well_below_the_stall_bound() -> None:
+    s = Settings()
+    assert (s.db_pool_size, s.db_pool_timeout, s.db_retry_max_seconds) == (10, 5.0, 10.0)
+    assert s.db_pgbouncer is False
+    assert Settings(lock_max_stall_seconds=60.0, db_retry_max_seconds=30.0).db_retry_max_seconds
+    with pytest.raises(ValidationError, match="DB_RETRY_MAX_SECONDS must be at most half"):
+        Settings(lock_max_stall_seconds=60.0, db_retry_max_seconds=31.0)
+    with pytest.raises(ValidationError, match="DB_POOL_TIMEOUT must not exceed"):
+        Settings(db_pool_timeout=11.0)
+    with pytest.raises(ValidationError, match="db_pool_size"):
+        Settings(db_pool_size=0)
