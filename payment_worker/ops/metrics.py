@@ -101,3 +101,24 @@ SUBMIT_DUPLICATES = Counter(
 ENQUEUE_FAILURES = Counter(
     "payment_worker_enqueue_failures_total", "Broker publishes that failed (the sweeper enqueues later)."
 )
+
+# --- recovery (issue 15: liveness, takeover, hand-back) ----------------------------------------
+LIVENESS_BEATS = Counter(
+    "payment_worker_liveness_beats_total",
+    "Heartbeats of this process's liveness key (ok, error).",
+    ["result"],
+)
+LIVENESS_LAPSES = Counter(
+    "payment_worker_liveness_lapses_total",
+    "Times this process's liveness key may have lapsed (paused, Redis unreachable or flushed): "
+    "every lock it held counts as lost.",
+)
+LOCK_TAKEOVERS = Counter(
+    "payment_worker_lock_takeovers_total",
+    "Account locks taken from a holder process whose liveness key was gone (by task or sweeper).",
+    ["by"],
+)
+HANDED_BACK = Counter(
+    "payment_worker_handed_back_total",
+    "Accounts released and re-enqueued at once by a warm shutdown.",
+)
