@@ -12,7 +12,7 @@ Declines: a beneficiary ``account_number`` starting with ``REJECT`` gives 402
 ``beneficiary_blocked``; one starting with ``NOFUNDS`` gives 402 ``insufficient_funds``.
 
 Control endpoints (not part of the protocol): ``GET /_sim/ledger``, ``POST /_sim/config``,
-``POST /_sim/reset``, ``POST /_sim/script``, ``GET /_sim/requests?account_id=``,
+``POST /_sim/reset``, ``POST /_sim/script``, ``GET /_sim/requests?account_id=[&since=]``,
 ``GET /_sim/health``. See docs/gateway.md.
 """
 
@@ -305,10 +305,19 @@ def _check_scripted(answer: dict[str, Any]) -> None:
 
 
 async def sim_requests(request: web.Request) -> web.Response:
-    """``GET /_sim/requests?account_id=``: the account's requests as [t, endpoint, status]."""
+    """``GET /_sim/requests?account_id=[&since=t]``: the account's requests as
+    [t, endpoint, status], only those after ``since`` (simulator clock) when given."""
     st = request.app[STATE]
     acct = st.accounts.get(request.query.get("account_id", ""))
-    return web.json_response({"now": st.now(), "requests": list(acct.log) if acct else []})
+    log = list(acct.log) if acct else []
+    since = request.query.get("since")
+    if since is not None:
+        try:
+            after = float(since)
+        except ValueError:
+            return web.json_response({"error": "since must be a number"}, status=400)
+        log = [entry for entry in log if entry[0] > after]
+    return web.json_response({"now": st.now(), "requests": log})
 
 
 async def sim_health(_: web.Request) -> web.Response:
