@@ -3,9 +3,8 @@
 Used by ``bench/recovery.py`` and ``tests/integration/test_recovery.py``. Each fault returns
 a :class:`Fault`: its kind, when it struck (on the gateway simulator's clock) and the
 accounts it affected; :func:`measure` then waits for each affected account's next gateway
-request and returns the stall of each (seconds from the fault to that request, as the
-simulator logged it). After a SIGTERM a request counts only once the account is no longer
-held by the victim (a worker that is shutting down finishes the item it is on).
+request and returns the stall of each: its longest silence after the fault (from the
+fault to its next request, or between two requests), from the simulator's request log.
 
 Who holds what is read from Redis: a lock's value is ``<holder>:<token>`` and a holder id
 ends in ``-<pid>-<random>``, so the worker process holding an account is known exactly.
@@ -13,10 +12,12 @@ ends in ``-<pid>-<random>``, so the worker process holding an account is known e
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import redis
@@ -34,9 +35,6 @@ class Fault:
     at: float
     affected: list[str]
     victim_holders: set[str] = field(default_factory=set)
-    # a victim that may still send (a warm shutdown finishing its item): only requests made
-    # once another holder (or nobody) has the account count
-    victim_may_send: bool = False
     stalls: dict[str, float | None] = field(default_factory=dict)  # filled by measure()
 
 
@@ -84,57 +82,44 @@ def sim_now(target: FaultTarget) -> float:
     return float(reply.json()["now"])
 
 
-def first_request_after(target: FaultTarget, account: str, since: float) -> float | None:
-    """The time (simulator clock) of the account's first request after ``since``, or None."""
-    reply = httpx.get(
-        f"{target.sim_url}/_sim/requests",
-        params={"account_id": account, "since": since},
-        timeout=10,
-    )
-    log = reply.json()["requests"]
-    return float(log[0][0]) if log else None
-
-
-def requests_after(target: FaultTarget, account: str, since: float) -> list[list[object]]:
+def requests_after(target: FaultTarget, account: str, since: float) -> list[list[Any]]:
     """The account's requests after ``since`` (simulator clock): [t, endpoint, status]."""
     reply = httpx.get(
         f"{target.sim_url}/_sim/requests",
         params={"account_id": account, "since": since},
         timeout=10,
     )
-    out: list[list[object]] = reply.json()["requests"]
+    out: list[list[Any]] = reply.json()["requests"]
     return out
 
 
-def measure(target: FaultTarget, fault: Fault, timeout: float) -> Fault:
-    """Wait up to ``timeout`` s for each affected account's next request by a holder other
-    than the victim; fills ``fault.stalls`` (None: none within the timeout and work left;
-    accounts that ran out of work meanwhile are dropped)."""
-    deadline = time.monotonic() + timeout
-    pending = set(fault.affected)
-    # sim clock time at which another holder was first seen on the account
-    handed: dict[str, float] = {}
-    while pending and time.monotonic() < deadline:
-        now = sim_now(target)
-        held = holders(target)
-        for acct in sorted(pending):
-            if acct not in handed:
-                if not fault.victim_may_send:
-                    handed[acct] = fault.at  # killed, paused or no victim: it sends nothing
-                elif held.get(acct) in fault.victim_holders:
-                    continue
-                else:
-                    # the victim let go before this poll: count from here (an overestimate
-                    # by at most one poll, never a request of the victim's)
-                    handed[acct] = now
-            first = first_request_after(target, acct, handed[acct])
-            if first is not None:
-                fault.stalls[acct] = first - fault.at
-                pending.discard(acct)
-        time.sleep(0.1)
-    for acct in pending:
-        if target.has_work(acct):
-            fault.stalls[acct] = None
+def measure(target: FaultTarget, fault: Fault, window: float) -> Fault:
+    """Wait until ``window`` seconds after the fault, then fill ``fault.stalls``: for each
+    affected account, its longest silence in that window (the time from the fault to its
+    first request, or between two of its requests, or from its last request to the end of
+    the window while it still has work). None: its last silence was still running at the
+    end (not resumed within the window). Accounts that had no work and sent nothing are
+    dropped.
+
+    The longest silence, not just the first request after the fault: after a lock-store
+    flush or a SIGTERM the old holder sends on for a moment, and the account's real stall is
+    the hand-over that follows; a request of a killed or paused worker that was already on
+    the wire only splits the silence, never hides it.
+    """
+    time.sleep(max(0.0, fault.at + window - sim_now(target)))
+    end = sim_now(target)
+    for acct in fault.affected:
+        times = [float(r[0]) for r in requests_after(target, acct, fault.at)]
+        points = [fault.at, *times]
+        open_ended = target.has_work(acct)
+        if open_ended:
+            points.append(end)
+        elif not times:
+            continue
+        gaps = [b - a for a, b in itertools.pairwise(points)]
+        longest = max(gaps) if gaps else 0.0
+        trailing = open_ended and gaps and gaps[-1] == longest and longest > 1.0
+        fault.stalls[acct] = None if trailing else longest
     fault.affected = sorted(fault.stalls)
     return fault
 
@@ -241,4 +226,4 @@ def terminate_holder(target: FaultTarget, worker: ManagedProcess) -> Fault:
     affected = [a for a, h in holders(target).items() if h in pid_holders and target.has_work(a)]
     at = sim_now(target)
     worker.signal(signal.SIGTERM)
-    return Fault("SIGTERM (rolling restart)", at, affected, pid_holders, victim_may_send=True)
+    return Fault("SIGTERM (rolling restart)", at, affected, pid_holders)

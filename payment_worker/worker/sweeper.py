@@ -42,6 +42,7 @@ from payment_worker.locks.liveness import alive_holders, holder_of, read_locks, 
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import LOCK_TAKEOVERS, SWEEP_REENQUEUED, SWEEPS
 from payment_worker.runtime import Runtime
+from payment_worker.settings import Settings
 from payment_worker.worker.queueing import enqueue_batch
 
 log = get_logger("sweeper")
@@ -96,15 +97,20 @@ class SweeperThread(threading.Thread):
             self.join(timeout)
 
 
+def sweeper_lock_seconds(s: Settings) -> float:
+    """How long a sweeper pass keeps the other passes out: four intervals, at least the
+    liveness TTL (a dead sweeper costs about as much as a dead holder)."""
+    return max(4 * s.sweeper_interval, s.liveness_ttl_ms / 1000)
+
+
 def run_sweep(res: Runtime) -> dict[str, Any]:
     """One sweeper pass, under a Redis lock so two passes never overlap; returns a summary."""
     s = res.settings
-    # redis-py's Lock: owner token, Lua release; the timeout bounds a crashed sweeper
-    guard = res.redis.lock(
-        res.keys.sweeper_lock(),
-        timeout=max(30.0, s.sweeper_interval * 4),
-        blocking=False,
-    )
+    # redis-py's Lock: owner token, Lua release. The timeout bounds a killed or paused
+    # sweeper, so it is short: a pass left hanging would stop every repair for that long. A
+    # pass that outlives it may overlap the next one, which is harmless (the swept markers
+    # dedup the messages, takeovers are owner-checked).
+    guard = res.redis.lock(res.keys.sweeper_lock(), timeout=sweeper_lock_seconds(s), blocking=False)
     if not guard.acquire(blocking=False):
         SWEEPS.labels("skipped").inc()
         return {"result": "skipped", "reason": "another sweeper is running"}

@@ -202,7 +202,8 @@ def scene(
 
 
 def _resumed(scene: Scene, fault: faults.Fault) -> dict[str, float | None]:
-    faults.measure(scene.target, fault, timeout=BOUND + 5)
+    faults.measure(scene.target, fault, window=BOUND + 2)
+    print(f"{fault.kind}: longest silence per account {fault.stalls}")
     assert fault.affected, f"{fault.kind} touched no account with work left"
     late = {a: s for a, s in fault.stalls.items() if s is None or s > BOUND}
     assert not late, f"{fault.kind}: accounts stalled past {BOUND}s: {fault.stalls}"
@@ -219,7 +220,7 @@ def test_a_paused_holder_is_overtaken_and_sends_nothing_when_it_wakes(scene: Sce
     target = scene.target
     fault, paused = faults.pause_holder(target)
     ttl = float(os.environ.get("LIVENESS_TTL_MS", "3000")) / 1000
-    _resumed(scene, fault)  # the other worker took the accounts over, long before 30 s
+    _resumed(scene, fault)  # the other worker took the accounts over, long before the lock TTL
     assert all(faults.holders(target).get(a) not in fault.victim_holders for a in fault.affected)
     # freeze the taker too, then wake the paused one: whatever the accounts' gateway log
     # shows now comes from the woken worker, whose threads resume in any order
@@ -278,8 +279,9 @@ def test_a_warm_shutdown_hands_every_account_back(scene: Scene) -> None:
     faults.wait_alive(target, scene.cluster.start_worker())
     fault = faults.terminate_holder(target, old)
     started = time.monotonic()
-    _resumed(scene, fault)
-    # the old worker let go at its next safe point and exited: no slice, no TTL waited for
+    # the old worker lets go at its next safe point and exits: no slice, no TTL waited for
     wait_until(lambda: not old.alive(), BOUND, "the SIGTERMed worker to exit")
-    assert time.monotonic() - started < BOUND
+    exited = time.monotonic() - started
     assert old.popen is not None and old.popen.returncode == 0
+    _resumed(scene, fault)
+    assert "worker_handing_back" in old.log_path.read_text(errors="replace"), exited
