@@ -1,7 +1,7 @@
 """How long each fault stalls the accounts it touches, with real workers (issue 15).
 
-    .venv/bin/python bench/recovery.py [--accounts 16] [--workers 3] [--concurrency 8]
-        [--rate 10] [--baseline 20]
+    .venv/bin/python bench/recovery.py [--accounts 16] [--workers 2] [--concurrency 12]
+        [--rate 10] [--baseline 15] [--logs DIR]
     .venv/bin/python bench/recovery.py --cost [--held 5000]
 
 Faults, one after the other, on a cluster kept busy by a backlog (every account has work
@@ -69,7 +69,8 @@ def run_faults(args: argparse.Namespace) -> None:
     from payment_worker.dev.samples import make_batches
     from payment_worker.producer.submit import submit_batch
 
-    with scratch() as (db_url, r_app, r_broker), tempfile.TemporaryDirectory() as tmp:
+    with scratch() as (db_url, r_app, r_broker), tempfile.TemporaryDirectory() as scratch_dir:
+        tmp = args.logs or scratch_dir
         db = psycopg.connect(db_url, autocommit=True)
 
         def has_work(account: str) -> bool:
@@ -100,7 +101,7 @@ def run_faults(args: argparse.Namespace) -> None:
             os.environ["GATEWAY_URL"] = cluster.env["GATEWAY_URL"]
             runtime.reset()
             # enough work for every account to stay busy through the whole run
-            per_account = int(args.rate * 180)
+            per_account = int(args.rate * 140)
             batches = make_batches(
                 batches=args.accounts * (per_account // 100),
                 items=100,
@@ -287,12 +288,13 @@ def run_cost(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--accounts", type=int, default=16)
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--rate", type=float, default=10.0)
-    parser.add_argument("--baseline", type=float, default=20.0)
+    parser.add_argument("--baseline", type=float, default=15.0)
     parser.add_argument("--cost", action="store_true", help="measure Redis cost instead")
     parser.add_argument("--held", type=int, default=5000)
+    parser.add_argument("--logs", help="keep the workers' and simulator's logs in this folder")
     args = parser.parse_args()
     if args.cost:
         run_cost(args)

@@ -40,7 +40,7 @@ Each entry: key (type, TTL): what it holds; who writes it.
     (:mod:`payment_worker.locks.liveness`). ``holder`` is the process's holder id, which
     prefixes the value of every account lock it holds (``<holder>:<token>``). Its own hash
     tag: it is in another slot than any account's keys.
-``{prefix}:sweeper`` (string, max(4 x ``SWEEPER_INTERVAL``, ``LIVENESS_TTL_MS``))
+``{prefix}:sweeper`` (string, max(2 x ``SWEEPER_INTERVAL``, 1 s))
     The sweeper's own redis-py ``Lock``: two passes never overlap. The sweeper.
 ``{prefix}:sweeper:tick`` (string, 0.8 x ``SWEEPER_INTERVAL``)
     This interval's pass is taken; value: the pid that took it. The sweeper threads of the

@@ -119,7 +119,13 @@ def test_a_concurrent_sweep_is_skipped(
     pw_env: PwEnv,
     db_conn: psycopg.Connection[Any],
     redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # the sweeper's lock lasts two intervals: long enough here for the first pass to be
+    # seen waiting however slow the machine (the short default is for a dead sweeper)
+    monkeypatch.setenv("SWEEPER_INTERVAL", "10")
+    runtime.reset()
+    srt = runtime.current()
     _save("b-1", "acct-1", srt)
     _age(db_conn)
     guard_key = f"{srt.settings.redis_key_prefix}:sweeper"
