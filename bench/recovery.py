@@ -1,11 +1,12 @@
 """How long each fault stalls the accounts it touches, with real workers (issue 15).
 
-    .venv/bin/python bench/recovery.py [--accounts 16] [--workers 2] [--concurrency 12]
+    .venv/bin/python bench/recovery.py [--accounts 16] [--workers 2] [--concurrency 24]
         [--rate 10] [--baseline 15] [--logs DIR]
     .venv/bin/python bench/recovery.py --cost [--held 5000]
 
 Faults, one after the other, on a cluster kept busy by a backlog (every account has work
-for the whole run; slots >= accounts, so no account waits for a slot):
+for the whole run; each worker alone has a slot for every account, so an account taken from
+a dead worker never waits for a slot: the stall measured is recovery, not capacity):
 
 * SIGKILL of the worker holding the most accounts (a replacement is started);
 * SIGSTOP of that worker past the lock TTL (``LOCK_TTL_MS`` 10 s here, so the run stays
@@ -289,7 +290,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--accounts", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument("--concurrency", type=int, default=24)
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--baseline", type=float, default=15.0)
     parser.add_argument("--cost", action="store_true", help="measure Redis cost instead")
