@@ -53,6 +53,10 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def _slowest(stalls: dict[str, float | None]) -> str:
+    return max((s, a) for a, s in stalls.items() if s is not None)[1]
+
+
 def _terminal(db: Any) -> int:
     row = db.execute(
         "SELECT count(*) FROM transactions WHERE status IN ('succeeded', 'failed', 'dead')"
@@ -175,6 +179,11 @@ def run_faults(args: argparse.Namespace) -> None:
             ledger = cluster.ledger()
         db.close()
 
+    if args.logs:
+        import json
+
+        stalls = {f.kind: f.stalls for f in results}
+        (Path(args.logs) / "stalls.json").write_text(json.dumps(stalls, indent=1))
     print()
     print(f"machine: {machine()} (shared: other jobs were running), commit {git_rev()}")
     print(
@@ -182,7 +191,7 @@ def run_faults(args: argparse.Namespace) -> None:
         f"{args.rate} requests/s each, LOCK_TTL_MS {LOCK_TTL_MS}, liveness and sweeper defaults"
     )
     print()
-    print("| fault | affected accounts | p50 s | p99 s | max s | not resumed in 10 s |")
+    print("| fault | affected accounts | p50 s | p99 s | max s (account) | not resumed in 10 s |")
     print("|---|---|---|---|---|---|")
     for f in results:
         done = [s for s in f.stalls.values() if s is not None]
@@ -190,7 +199,7 @@ def run_faults(args: argparse.Namespace) -> None:
         if done:
             print(
                 f"| {f.kind} | {len(f.stalls)} | {_pct(done, 0.5):.2f} | {_pct(done, 0.99):.2f}"
-                f" | {max(done):.2f} | {missing} |"
+                f" | {max(done):.2f} ({_slowest(f.stalls)}) | {missing} |"
             )
         else:
             print(f"| {f.kind} | {len(f.stalls)} | - | - | - | {missing} |")

@@ -1,9 +1,10 @@
 """The periodic repair: nothing accepted may be left behind, and nothing waits long.
 
-Finds accounts whose due open items saw no write for ``SWEEPER_STALE_AFTER`` seconds (2 s: a
-cheap filter, not the horizon) and that have **no live holder**: the lock is free, or its
-holder process's liveness key is gone (:mod:`payment_worker.locks.liveness`; the sweeper then
-takes the lock away, owner-checked). It enqueues one of their batches. The horizon is
+Finds accounts with due open items and **no live holder**: the lock's holder process has
+lost its liveness key (:mod:`payment_worker.locks.liveness`; the sweeper takes the lock
+away at once, owner-checked), or the lock is free and the items saw no write for
+``SWEEPER_STALE_AFTER`` seconds (2 s: a fresh submission's message is on its way meanwhile).
+It enqueues one of their batches. The horizon is
 therefore liveness: a killed or paused holder's accounts, a broker that lost messages (a
 flush, a Redis restart without persistence), a submission made while the broker was down, a
 delayed message lost with its worker, and items left ``dispatching``/``unknown`` by a crash
@@ -133,7 +134,10 @@ SWEEP_LIMIT = 10_000
 def _sweep(res: Runtime) -> dict[str, Any]:
     s = res.settings
     with res.engine.connect() as conn:
-        stalled = repo.stalled_accounts(conn, s.sweeper_stale_after, SWEEP_LIMIT)
+        # every account with due work: a dead holder's account is taken over however
+        # recently it was written; a free one is re-enqueued only once it is stale (a fresh
+        # submission's or a hand-off's message is on its way)
+        stalled = repo.stalled_accounts(conn, s.sweeper_stale_after, SWEEP_LIMIT, every=True)
         seen = {acct.account_id for acct in stalled}
         stalled += [
             acct
@@ -148,15 +152,17 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     requeued: list[str] = []
     busy = taken = 0
     for acct, value in zip(stalled, values, strict=True):
+        if value is None and not acct.stale:
+            continue  # free and written moments ago: its message is on its way
         if value is not None:
             holder = holder_of(value)
             if holder is None or holder in alive:
-                busy += 1  # a live holder (or one only its TTL can free)
+                busy += acct.stale  # a live holder (or one only its TTL can free)
                 continue
             # the holder process is dead: free the account now (if the lock still holds
             # exactly what was judged dead), then send it to a live worker below
             if not take_over(res.redis, res.keys.lock(acct.account_id), value):
-                busy += 1
+                busy += acct.stale
                 continue
             taken += 1
             LOCK_TAKEOVERS.labels("sweeper").inc()
@@ -176,7 +182,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
             SWEEPS.labels("broker_error").inc()
             return {
                 "result": "broker_error",
-                "stalled": len(stalled),
+                "stalled": sum(a.stale for a in stalled),
                 "reenqueued": requeued,
                 "taken_over": taken,
             }
@@ -192,7 +198,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     SWEEPS.labels("ok").inc()
     return {
         "result": "ok",
-        "stalled": len(stalled),
+        "stalled": sum(a.stale for a in stalled),
         "busy": busy,
         "taken_over": taken,
         "reenqueued": requeued,
