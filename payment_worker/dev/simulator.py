@@ -136,6 +136,9 @@ async def lookup_payment(request: web.Request) -> web.StreamResponse:
 async def _account_call(request: web.Request, endpoint: str, inner: Inner) -> web.StreamResponse:
     st = request.app[STATE]
     account_id = request.match_info["account_id"]
+    # a request is in flight once it has fully arrived (as behind a buffering proxy): a
+    # client frozen halfway through sending one (SIGSTOP) holds no account slot meanwhile
+    await request.read()
     st.ledger.requests[endpoint] += 1
     entry: list[Any] = [round(st.now(), 6), endpoint, 0]
     st.account(account_id).log.append(entry)
