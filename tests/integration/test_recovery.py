@@ -33,7 +33,8 @@ from payment_worker.worker.sweeper import run_sweep
 from tests.conftest import PwEnv, wait_until
 from tests.integration.test_producer import broker_messages, make_batch
 
-BOUND = 12.0  # seconds: generous (CI is noisy; the bench holds the 5 s target), far below the 30 s lock TTL
+# seconds: generous (CI is noisy; the bench holds the 5 s target), far below the 30 s lock TTL
+BOUND = 12.0
 ACCOUNTS = 4
 OPEN = "('pending', 'retryable', 'dispatching', 'unknown')"
 

@@ -68,10 +68,22 @@ def test_batch_saved_while_the_broker_was_down_is_reenqueued(
 ) -> None:
     _save("b-1", "acct-1", srt)
     # fresh rows are not stalled: the sweeper must not race a normal submission
-    assert run_sweep(srt) == {"result": "ok", "stalled": 0, "busy": 0, "taken_over": 0, "reenqueued": []}
+    assert run_sweep(srt) == {
+        "result": "ok",
+        "stalled": 0,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": [],
+    }
     assert broker_messages(pw_env) == []
     _age(db_conn)
-    assert run_sweep(srt) == {"result": "ok", "stalled": 1, "busy": 0, "taken_over": 0, "reenqueued": ["b-1"]}
+    assert run_sweep(srt) == {
+        "result": "ok",
+        "stalled": 1,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": ["b-1"],
+    }
     assert broker_messages(pw_env) == ["b-1"]
 
 
@@ -103,14 +115,26 @@ def test_accounts_whose_lock_is_held_are_busy_and_not_enqueued(
     assert holder.acquire()
     try:
         result = run_sweep(srt)
-        assert result == {"result": "ok", "stalled": 2, "busy": 1, "taken_over": 0, "reenqueued": ["b-free"]}
+        assert result == {
+            "result": "ok",
+            "stalled": 2,
+            "busy": 1,
+            "taken_over": 0,
+            "reenqueued": ["b-free"],
+        }
         assert broker_messages(pw_env) == ["b-free"]
     finally:
         holder.release()
     # a busy account got no repair marker: once its lock is free it is repaired at once
     # (acct-free is not published again: its period is not over)
     result = run_sweep(srt)
-    assert result == {"result": "ok", "stalled": 2, "busy": 0, "taken_over": 0, "reenqueued": ["b-held"]}
+    assert result == {
+        "result": "ok",
+        "stalled": 2,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": ["b-held"],
+    }
     assert broker_messages(pw_env) == ["b-free", "b-held"]
 
 
@@ -168,7 +192,13 @@ def test_a_concurrent_sweep_is_skipped(
         blocker.close()
         for t in threads:
             t.join(10)
-    assert results["first"] == {"result": "ok", "stalled": 1, "busy": 0, "taken_over": 0, "reenqueued": ["b-1"]}
+    assert results["first"] == {
+        "result": "ok",
+        "stalled": 1,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": ["b-1"],
+    }
     assert broker_messages(pw_env) == ["b-1"]
     # the pass released its lock: the next one runs (and publishes nothing, same period)
     assert not redis_client.exists(guard_key)
@@ -283,9 +313,21 @@ def test_a_batch_left_processing_with_every_item_terminal_is_completed(
     statuses = db_conn.execute("SELECT DISTINCT status FROM transactions").fetchall()
     assert statuses == [("succeeded",)]
     # no due item is left: only the sweeper can see it, once nothing was written for a while
-    assert run_sweep(srt) == {"result": "ok", "stalled": 0, "busy": 0, "taken_over": 0, "reenqueued": []}
+    assert run_sweep(srt) == {
+        "result": "ok",
+        "stalled": 0,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": [],
+    }
     _age(db_conn)
-    assert run_sweep(srt) == {"result": "ok", "stalled": 1, "busy": 0, "taken_over": 0, "reenqueued": ["b-full"]}
+    assert run_sweep(srt) == {
+        "result": "ok",
+        "stalled": 1,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": ["b-full"],
+    }
     # it never writes a batch row itself: the holder its message starts completes it
     assert db_conn.execute(batch).fetchone() == ("processing", 0)
     assert broker_messages(pw_env) == ["b-full"]

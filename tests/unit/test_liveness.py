@@ -112,7 +112,7 @@ def test_failed_beats_change_nothing_until_the_window_ends(parts: Any) -> None:
 
 
 def test_a_stopped_liveness_vouches_for_nothing(parts: Any) -> None:
-    live, r, _ = parts
+    live, _, _ = parts
     live.beat()
     live.stop(forget=False)
     assert live.current_epoch() is None and not live.beat()
