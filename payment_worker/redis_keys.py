@@ -32,9 +32,15 @@ Each entry: key (type, TTL): what it holds; who writes it.
     message replaces a later one), cleared by that message's task (``schedule_clear.lua``).
     Versions before due times wrote a string (the batch id, countdown + 5 s); the scripts
     read it as due 5 s before it expires.
-``{prefix}:swept:{acct}`` (string, ``SWEEPER_STALE_AFTER``)
-    A repair message was sent for the account; value: a batch id. The sweeper.
-``{prefix}:sweeper`` (string, max(30 s, 4 x ``SWEEPER_INTERVAL``))
+``{prefix}:swept:{acct}`` (string, ``SWEEPER_RESEND_AFTER``)
+    A repair message was sent for the account and its task has not started yet; value: a
+    batch id. The sweeper; deleted by the drain loop when a holder takes the account.
+``{prefix}:alive:{holder}`` (string, ``LIVENESS_TTL_MS``, renewed every ``LIVENESS_INTERVAL_MS``)
+    One worker process is alive; value: its pid. The process's heartbeat thread
+    (:mod:`payment_worker.locks.liveness`). ``holder`` is the process's holder id, which
+    prefixes the value of every account lock it holds (``<holder>:<token>``). Its own hash
+    tag: it is in another slot than any account's keys.
+``{prefix}:sweeper`` (string, max(2 x ``SWEEPER_INTERVAL``, 1 s))
     The sweeper's own redis-py ``Lock``: two passes never overlap. The sweeper.
 ``{prefix}:sweeper:tick`` (string, 0.8 x ``SWEEPER_INTERVAL``)
     This interval's pass is taken; value: the pid that took it. The sweeper threads of the
@@ -82,6 +88,10 @@ class RedisKeys:
     def lock_wake(self, account_id: str, waiter_token: str) -> str:
         """One waiter's wake-up list, pushed to when the lock is handed to it."""
         return f"{self.lock(account_id)}:wake:{waiter_token}"
+
+    def alive(self, holder_id: str) -> str:
+        """A worker process's liveness key (its own hash tag: not per account)."""
+        return f"{self.prefix}:alive:{{{holder_id}}}"
 
     # --- the gateway (payment_worker.gateway) ---------------------------------------------
     def token(self, account_id: str) -> str:

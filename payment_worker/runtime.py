@@ -26,6 +26,7 @@ from payment_worker.domain.retry import Backoff
 from payment_worker.domain.transitions import Policy
 from payment_worker.gateway.client import GatewayClient
 from payment_worker.locks.account_lock import AccountLock
+from payment_worker.locks.liveness import Liveness
 from payment_worker.locks.watchdog import renewal_client
 from payment_worker.redis_keys import RedisKeys
 from payment_worker.settings import Settings, load_settings
@@ -99,6 +100,18 @@ class Runtime:
         )
         self.gateway = GatewayClient(s, self.redis)
         self.keys = RedisKeys(s.redis_key_prefix)
+        # this process's liveness key and heartbeat (started by the first lock, or by the
+        # worker's lifecycle); its beats go through a no-retry client with a short timeout
+        self.liveness_redis: redis.Redis = renewal_client(self.redis, s.liveness_ttl_ms)
+        self.liveness = Liveness(
+            self.liveness_redis,
+            self.keys,
+            ttl_ms=s.liveness_ttl_ms,
+            interval_ms=s.liveness_interval_ms,
+            margin_ms=s.lock_safety_margin_ms,
+        )
+        # set by a warm shutdown (worker/lifecycle.py): drains hand their accounts back
+        self.shutting_down = threading.Event()
 
     @property
     def fence_engine(self) -> Engine:
@@ -135,12 +148,15 @@ class Runtime:
             key_prefix=s.redis_key_prefix,
             renewal_redis=self.renewal_redis,
             max_stall=s.lock_max_stall_seconds,
+            liveness=self.liveness,
         )
 
     def close(self) -> None:
-        """Close every client (end of a command, of a test, or of the process)."""
+        """Close every client (end of a command, of a test, or of the process). The liveness
+        key is deleted: locks this process still holds are taken over at once."""
+        self.liveness.stop()
         self.gateway.close()
-        for client in (self.redis, self.renewal_redis, self.dedup_redis):
+        for client in (self.redis, self.renewal_redis, self.dedup_redis, self.liveness_redis):
             client.close()
             client.connection_pool.disconnect()
         self.engine.dispose()  # the autocommit view shares its pool
@@ -149,7 +165,7 @@ class Runtime:
         """Drop the clients without touching their sockets: in a forked child, which must
         neither use nor close what it shares with its parent."""
         self.engine.dispose(close=False)
-        for client in (self.redis, self.renewal_redis, self.dedup_redis):
+        for client in (self.redis, self.renewal_redis, self.dedup_redis, self.liveness_redis):
             client.connection_pool.reset()
 
 

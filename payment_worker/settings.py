@@ -162,8 +162,19 @@ class Settings(BaseSettings):
     visibility_timeout: int = Field(3600, gt=0)
     task_soft_time_limit: int = Field(1500, gt=0)
     task_time_limit: int = Field(1800, gt=0)
-    sweeper_interval: float = Field(5.0, gt=0)
-    sweeper_stale_after: float = Field(30.0, gt=0)
+    # issue 15: the sweeper's horizon comes from liveness (docs/processing.md, Sweeper): it
+    # ticks every second, looks at accounts whose due items saw no write for
+    # SWEEPER_STALE_AFTER, and re-enqueues the ones with no live lock holder
+    sweeper_interval: float = Field(1.0, gt=0)
+    sweeper_stale_after: float = Field(2.0, gt=0)
+    # a repair message whose task has not started after this long is sent again
+    sweeper_resend_after: float = Field(30.0, gt=0)
+
+    # --- holder liveness (issue 15, docs/locks.md "Holder liveness") -------------------------
+    # every worker process renews its liveness key every LIVENESS_INTERVAL_MS with a TTL of
+    # LIVENESS_TTL_MS; a lock whose holder's key is gone is taken over at once
+    liveness_ttl_ms: int = Field(3_000, gt=0)
+    liveness_interval_ms: int = Field(500, gt=0)
 
     # --- producer -------------------------------------------------------------------------
     dedup_window_seconds: int = Field(60, gt=0)
@@ -246,6 +257,11 @@ class Settings(BaseSettings):
             raise ValueError("DRAIN_MAX_SECONDS must be below TASK_SOFT_TIME_LIMIT")
         if self.lock_safety_margin_ms >= self.lock_ttl_ms:
             raise ValueError("LOCK_SAFETY_MARGIN_MS must be below LOCK_TTL_MS")
+        if 2 * self.liveness_interval_ms > self.liveness_ttl_ms - self.lock_safety_margin_ms:
+            raise ValueError(
+                "LIVENESS_INTERVAL_MS must be at most half of LIVENESS_TTL_MS - "
+                "LOCK_SAFETY_MARGIN_MS: a holder must survive one missed heartbeat"
+            )
         if self.lock_max_stall_seconds <= self.gateway_quiet_max_seconds:
             raise ValueError(
                 "LOCK_MAX_STALL_SECONDS must be above GATEWAY_PACING_MAX_WAIT + 2 x "

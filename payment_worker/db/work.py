@@ -283,12 +283,13 @@ def account_of_batch(conn: Connection, batch_id: str) -> str | None:
 
 _STALLED = text(f"""
 SELECT t.account_id, min(b.batch_id) AS batch_id,
-       bool_or(t.status IN ({_IN_DOUBT})) AS in_doubt
+       bool_or(t.status IN ({_IN_DOUBT})) AS in_doubt,
+       max(t.updated_at) < now() - make_interval(secs => :stale) AS stale
 FROM transactions t JOIN batches b ON b.id = t.batch_pk
 WHERE t.status IN ({_OPEN})
   AND t.next_attempt_at <= now()
 GROUP BY t.account_id
-HAVING max(t.updated_at) < now() - make_interval(secs => :stale)
+HAVING :every OR max(t.updated_at) < now() - make_interval(secs => :stale)
 ORDER BY min(t.next_attempt_at)
 LIMIT :limit
 """)
@@ -303,14 +304,21 @@ class StalledAccount:
     batch_id: str
     in_doubt: bool  # has dispatching/unknown items: the next holder resolves them by lookup
     uncompleted: bool = False  # only a batch to complete: every item of it is terminal
+    stale: bool = True  # no write for the stale period (False only with ``every=True``)
 
 
 def stalled_accounts(
-    conn: Connection, stale_after: float, limit: int = 500
+    conn: Connection, stale_after: float, limit: int = 500, *, every: bool = False
 ) -> list[StalledAccount]:
-    """Accounts whose due open items saw no write for ``stale_after`` seconds (for the sweeper)."""
-    rows = conn.execute(_STALLED, {"stale": stale_after, "limit": limit}).all()
-    return [StalledAccount(r.account_id, r.batch_id, bool(r.in_doubt)) for r in rows]
+    """Accounts whose due open items saw no write for ``stale_after`` seconds (for the
+    sweeper); with ``every``, all accounts with due open items, each marked ``stale`` or not
+    (the sweeper checks every one's holder for liveness, and re-enqueues only stale ones)."""
+    params = {"stale": stale_after, "limit": limit, "every": every}
+    rows = conn.execute(_STALLED, params).all()
+    return [
+        StalledAccount(r.account_id, r.batch_id, bool(r.in_doubt), stale=bool(r.stale))
+        for r in rows
+    ]
 
 
 # Batches not completed although every item is terminal, untouched for :stale seconds: a

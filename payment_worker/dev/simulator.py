@@ -15,7 +15,7 @@ the account number in a ``message`` (what the worker must mask). A ``bank_code``
 ``UNAVAILABLE`` always gives 503 (nothing applied) with such a ``message``.
 
 Control endpoints (not part of the protocol): ``GET /_sim/ledger``, ``POST /_sim/config``,
-``POST /_sim/reset``, ``POST /_sim/script``, ``GET /_sim/requests?account_id=``,
+``POST /_sim/reset``, ``POST /_sim/script``, ``GET /_sim/requests?account_id=[&since=]``,
 ``GET /_sim/health``. See docs/gateway.md.
 """
 
@@ -139,6 +139,9 @@ async def lookup_payment(request: web.Request) -> web.StreamResponse:
 async def _account_call(request: web.Request, endpoint: str, inner: Inner) -> web.StreamResponse:
     st = request.app[STATE]
     account_id = request.match_info["account_id"]
+    # a request is in flight once it has fully arrived (as behind a buffering proxy): a
+    # client frozen halfway through sending one (SIGSTOP) holds no account slot meanwhile
+    await request.read()
     st.ledger.requests[endpoint] += 1
     entry: list[Any] = [round(st.now(), 6), endpoint, 0]
     st.account(account_id).log.append(entry)
@@ -308,10 +311,19 @@ def _check_scripted(answer: dict[str, Any]) -> None:
 
 
 async def sim_requests(request: web.Request) -> web.Response:
-    """``GET /_sim/requests?account_id=``: the account's requests as [t, endpoint, status]."""
+    """``GET /_sim/requests?account_id=[&since=t]``: the account's requests as
+    [t, endpoint, status], only those after ``since`` (simulator clock) when given."""
     st = request.app[STATE]
     acct = st.accounts.get(request.query.get("account_id", ""))
-    return web.json_response({"now": st.now(), "requests": list(acct.log) if acct else []})
+    log = list(acct.log) if acct else []
+    since = request.query.get("since")
+    if since is not None:
+        try:
+            after = float(since)
+        except ValueError:
+            return web.json_response({"error": "since must be a number"}, status=400)
+        log = [entry for entry in log if entry[0] > after]
+    return web.json_response({"now": st.now(), "requests": log})
 
 
 async def sim_health(_: web.Request) -> web.Response:

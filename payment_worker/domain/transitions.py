@@ -264,3 +264,20 @@ def after_conflict(
         dead_reason=DeadReason.KEY_CONFLICT,
         doubt=Doubt.SINCE_DISPATCH,
     )
+
+
+def handed_back(status: TxStatus) -> Decision:
+    """A claimed item given back untouched because its holder is shutting down (issue 15):
+    due again at once, in the state it was claimed into. An item claimed for a lookup
+    (``unknown``) stays in doubt; one claimed to be sent (``dispatching``) was never sent, so
+    it is ``retryable`` and its key ``not_applied`` (the caller gives the attempt back)."""
+    if status is TxStatus.UNKNOWN:
+        return Decision(
+            TxStatus.UNKNOWN, error_class="handed_back", error="not looked up: shutdown"
+        )
+    return Decision(
+        TxStatus.RETRYABLE,
+        error_class="handed_back",
+        error="not sent: shutdown",
+        key_status=KeyStatus.NOT_APPLIED,
+    )

@@ -12,6 +12,10 @@
   ``max_stall`` seconds is blocked somewhere, and the watchdog stops renewing its lock
   (lost, ``stalled``), so the lock expires and another worker takes the account over
   behind the fence.
+* With a process :class:`~payment_worker.locks.liveness.Liveness`, the lock's value is
+  ``<holder>:<token>``; a lock whose holder's liveness key is gone is taken over at once
+  (``lock_takeover.lua``), and :meth:`ensure_held` also fails once this process's own
+  liveness may have lapsed since the lock was taken (reason ``liveness``).
 * Every acquisition takes a new fencing token from Postgres (one round trip); writes
   guarded by :mod:`payment_worker.db.fences` reject an older holder.
 * A blocking acquire waits in a FIFO queue: release hands the lock straight to the
@@ -37,6 +41,13 @@ from redis.exceptions import RedisError
 from payment_worker import lua
 from payment_worker.db.fences import next_fence_token
 from payment_worker.errors import LockLost, LockNotAcquired
+from payment_worker.locks.liveness import (
+    TAKEOVER_LUA,
+    Liveness,
+    alive_holders,
+    holder_of,
+    lock_value,
+)
 from payment_worker.locks.watchdog import RENEW_LUA, StallRule, Watchdog, renewal_client
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
@@ -45,6 +56,7 @@ from payment_worker.ops.metrics import (
     LOCK_LOST,
     LOCK_RELEASE_NOT_OWNER,
     LOCK_RENEWALS,
+    LOCK_TAKEOVERS,
 )
 from payment_worker.redis_keys import RedisKeys
 
@@ -135,6 +147,7 @@ class AccountLock:
         renewal_redis: redis.Redis | None = None,
         on_lost: Callable[[str], None] | None = None,
         max_stall: float | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.account_id = account_id
         self.ttl_ms = ttl_ms
@@ -164,6 +177,10 @@ class AccountLock:
         self._release = redis.register_script(_RELEASE_LUA)
         self._wait = redis.register_script(_WAIT_LUA)
         self._cancel = redis.register_script(_CANCEL_LUA)
+        # the process's heartbeat (locks/liveness.py); None: a plain token, freed by TTL only
+        self._liveness = liveness
+        self._epoch = 0
+        self._takeover = redis.register_script(TAKEOVER_LUA)
 
     # --- acquire ----------------------------------------------------------------------
 
@@ -181,6 +198,17 @@ class AccountLock:
                 raise RuntimeError(f"lock {self.key} is already held by this object")
         started = _clock()
         token = secrets.token_hex(16)
+        epoch = 0
+        if self._liveness is not None:
+            # the process must be provably alive before its holder id goes into a lock,
+            # or a taker could find the lock's holder dead at once
+            found = self._liveness.epoch_for_acquire()
+            if found is None:
+                LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
+                log.warning("lock_not_taken_liveness_failing", account_id=self.account_id)
+                return False
+            epoch = found
+            token = lock_value(self._liveness.holder_id, token)
         try:
             granted_at = self._take(token, blocking, timeout, started)
         except RedisError:
@@ -192,6 +220,7 @@ class AccountLock:
             return False
         with self._state:
             self._token = token
+            self._epoch = epoch
             self.lost_reason = None
             self.fence_token = None
             self._deadline = granted_at + (self.ttl_ms - self.safety_margin_ms) / 1000
@@ -222,10 +251,36 @@ class AccountLock:
         if self._redis.set(self.key, token, nx=True, px=self.ttl_ms):
             return sent
         LOCK_CONTENTION.inc()
+        if self._liveness is not None:
+            taken_at = self._take_over(token)
+            if taken_at is not None:
+                return taken_at
         if not blocking or (timeout is not None and timeout <= 0):
             return None
         until = None if timeout is None else started + timeout
         return self._wait_in_queue(token, until)
+
+    def _take_over(self, token: str) -> float | None:
+        """The lock is held: if its holder process is dead (liveness key gone), take it.
+
+        Two reads (the lock, the holder's liveness key: another Redis Cluster slot) and, for
+        a dead holder, the takeover script, which replaces the lock only if it still holds
+        the value judged dead. Returns the clock reading taken before the granting command.
+        """
+        assert self._liveness is not None
+        current = self._redis.get(self.key)
+        holder = holder_of(current)
+        if current is None or holder is None or holder == self._liveness.holder_id:
+            return None  # free again (its releaser sees our mark), no holder id, or us
+        if alive_holders(self._redis, self._keys, [holder]):
+            return None
+        sent = _clock()
+        old = current.decode() if isinstance(current, bytes) else str(current)
+        if self._takeover(keys=[self.key], args=[old, token, self.ttl_ms]) != 1:
+            return None
+        LOCK_TAKEOVERS.labels("task").inc()
+        log.info("lock_taken_over", account_id=self.account_id, dead_holder=holder)
+        return sent
 
     def _slice(self) -> float:
         """How long one BLPOP blocks before a fallback check (a dead holder, a lost wake)."""
@@ -351,6 +406,11 @@ class AccountLock:
             raise LockLost(f"lock {self.key} is not held")
         if self.lost_reason is None and _clock() >= self._deadline:
             self._mark_lost(token, "deadline")
+        liveness = self._liveness
+        if self.lost_reason is None and liveness is not None and not liveness.vouches(self._epoch):
+            # this process's liveness key may have lapsed since the lock was taken (paused,
+            # Redis unreachable or flushed): a taker may own the account now
+            self._mark_lost(token, "liveness")
         reason = self.lost_reason
         if reason is not None:
             raise LockLost(f"lock {self.key} lost ({reason})")

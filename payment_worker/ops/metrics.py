@@ -159,9 +159,30 @@ ENQUEUE_FAILURES = Counter(
 )
 
 
+# --- recovery (issue 15: liveness, takeover, hand-back) ----------------------------------------
+LIVENESS_BEATS = Counter(
+    "payment_worker_liveness_beats_total",
+    "Heartbeats of this process's liveness key (ok, error).",
+    ["result"],
+)
+LIVENESS_LAPSES = Counter(
+    "payment_worker_liveness_lapses_total",
+    "Times this process's liveness key may have lapsed (paused, Redis unreachable or flushed): "
+    "every lock it held counts as lost.",
+)
+LOCK_TAKEOVERS = Counter(
+    "payment_worker_lock_takeovers_total",
+    "Account locks taken from a holder process whose liveness key was gone (by task or sweeper).",
+    ["by"],
+)
+HANDED_BACK = Counter(
+    "payment_worker_handed_back_total",
+    "Accounts released and re-enqueued at once by a warm shutdown.",
+)
+
 # --- label values created at 0 (what alerts and panels select on) -------------------------
 GATEWAY_ENDPOINTS = ("create", "lookup")
-LOCK_LOST_REASONS = ("expired", "stolen", "unreachable", "deadline", "stalled")
+LOCK_LOST_REASONS = ("expired", "stolen", "unreachable", "deadline", "stalled", "liveness")
 DEAD_LETTER_REASONS = (*(r.value for r in DeadReason), "task_crashed")
 TASK_RESULTS = (
     "processed",
@@ -191,6 +212,8 @@ _PRESETS: tuple[tuple[MetricWrapperBase, tuple[tuple[str, ...], ...]], ...] = (
     (DEAD_LETTERS_RESOLVED, tuple((r,) for r in DEAD_LETTER_REASONS)),
     (TASK_EXECUTIONS, tuple((r,) for r in TASK_RESULTS)),
     (DB_RETRIES, tuple((r,) for r in DB_RETRY_REASONS)),
+    (LIVENESS_BEATS, (("ok",), ("error",))),
+    (LOCK_TAKEOVERS, (("task",), ("sweeper",))),
     (SWEEPS, (("ok",), ("skipped",), ("broker_error",))),
     (BATCHES_SUBMITTED, tuple((r,) for r in SUBMIT_RESULTS)),
     (SUBMIT_DUPLICATES, (("redis",), ("postgres",))),

@@ -36,6 +36,7 @@ from payment_worker.domain.transitions import (
     after_conflict,
     after_lookup,
     after_send,
+    handed_back,
 )
 from payment_worker.errors import DatabaseUnavailable, FencedOut, LockLost
 from payment_worker.gateway.outcomes import Outcome
@@ -44,6 +45,7 @@ from payment_worker.ops.metrics import (
     BATCH_SECONDS,
     DEAD_LETTERS,
     FENCING_REJECTIONS,
+    HANDED_BACK,
     IN_PROGRESS,
     LOOKUPS,
     TASK_EXECUTIONS,
@@ -69,6 +71,7 @@ class DrainReport:
     finished: dict[str, int] = field(default_factory=dict)
     scheduled_in: float | None = None
     handed_off: bool = False
+    shutdown: bool = False  # handed back at once because the worker is shutting down
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,7 @@ class Drainer:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         db_retry: DbRetry | None = None,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self._open_store = open_store
         self._lock_for = lock_for
@@ -106,6 +110,8 @@ class Drainer:
         self._sleep = sleep
         # DB_RETRY_MAX_SECONDS: transient database errors cost a retry, not the task
         self._db_retry = db_retry or DbRetry(max_seconds=10.0, clock=clock, sleep=sleep)
+        # a warm shutdown began: hand the account back at the next safe point
+        self._stopping = stopping
 
     def run_account(self, account_id: str, batch_id: str) -> DrainReport:
         """Drain the account's due work if its lock is free; otherwise leave a mark and return."""
@@ -140,8 +146,16 @@ class Drainer:
                 BATCH_SECONDS.observe(self._clock() - started)
             if report.handed_off:
                 self._queue.hand_off(account_id, batch_id)
+                if report.shutdown:
+                    HANDED_BACK.inc()
                 break
-            if report.result in ("lock_lost", "fenced_out"):
+            if report.result == "lock_lost":
+                # taken over, or our own liveness lapsed: if nobody took the account (the
+                # lock was freed above), this message sends it to a live worker at once; if
+                # someone did, it costs that holder one contended execution
+                self._queue.hand_off(account_id, batch_id)
+                break
+            if report.result == "fenced_out":
                 break
             if not self._queue.announced(account_id):
                 break
@@ -168,6 +182,9 @@ class Drainer:
             try:
                 while True:
                     lock.ensure_held()
+                    if self._stopping():
+                        report.handed_off = report.shutdown = True
+                        return
                     items = store.claim_due(account_id, token, limits.chunk_size)
                     lock.progress()
                     if items:
@@ -179,9 +196,11 @@ class Drainer:
                             done.discard(items[-1].batch_pk)
                         if done:
                             store.complete_batches(account_id, token, sorted(done))
-                        if self._clock() < deadline:
+                        if self._clock() < deadline and not self._stopping():
                             continue
-                        report.handed_off = True  # run_account re-enqueues after releasing
+                        # run_account re-enqueues after releasing
+                        report.handed_off = True
+                        report.shutdown = self._stopping()
                         return
                     store.complete_batches(account_id, token)
                     wait = store.seconds_until_next_due(account_id)
@@ -218,7 +237,7 @@ class Drainer:
             lock.ensure_held()
             lock.progress()  # waiting on purpose, for a bounded time, is not a stall
             left = end - self._clock()
-            if left <= 0:
+            if left <= 0 or self._stopping():
                 return
             self._sleep(min(left, 0.1))
 
@@ -231,9 +250,16 @@ class Drainer:
         report: DrainReport,
     ) -> None:
         outcomes: list[ItemOutcome] = []
+        given_back: list[ItemOutcome] = []
         guard = _progress_guard(lock)
         try:
-            for item in items:
+            for index, item in enumerate(items):
+                if self._stopping():
+                    # a safe point (between items): the outcomes so far are recorded below
+                    # and the rest is given back untouched, due now, so the next holder
+                    # sends them without a lookup
+                    given_back = [_untouched(i) for i in items[index:]]
+                    break
                 # one bind per item (about 3 µs): every line about it names it
                 bound = bind_contextvars(
                     transaction_id=item.transaction_id, attempt=item.attempts, fence_token=token
@@ -249,8 +275,8 @@ class Drainer:
             # what was learnt is written even when the lock was lost mid-chunk: the write is
             # fenced, so it lands only if no newer holder exists; items left "dispatching" are
             # looked up by the next holder before any resend
-            if outcomes:
-                store.record_outcomes(report.account_id, token, outcomes)
+            if outcomes or given_back:
+                store.record_outcomes(report.account_id, token, outcomes + given_back)
                 lock.progress()
                 report.items += len(outcomes)
                 report.result = "processed"
@@ -352,6 +378,12 @@ def _log_outcome(d: Decision) -> None:
         )
 
 
+def _untouched(item: ClaimedItem) -> ItemOutcome:
+    """A claimed item given back at shutdown: its claimed attempt is given back too."""
+    attempts = item.attempts - (item.status is TxStatus.DISPATCHING)
+    return ItemOutcome(item.id, attempts, item.lookups, handed_back(item.status))
+
+
 def _progress_guard(lock: HeldLock) -> Guard:
     """The check before each send: the lock must still be ours; a request about to leave
     is progress (a holder only waiting on the gateway's pacing or token is never stalled)."""
@@ -378,6 +410,7 @@ def drainer_for(rt: Runtime) -> Drainer:
             hold_wait_max_seconds=s.hold_wait_max_seconds,
         ),
         db_retry=DbRetry(max_seconds=s.db_retry_max_seconds),
+        stopping=rt.shutting_down.is_set,
     )
 
 

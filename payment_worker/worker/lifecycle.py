@@ -1,4 +1,5 @@
-"""What a worker process runs beside its task slots: the sweeper thread.
+"""What a worker process runs beside its task slots (the sweeper thread, the liveness
+heartbeat) and what it does when it is told to stop (hand its accounts back).
 
 Celery imports this module in every worker (it is in the app's ``include`` list), which
 connects the receivers below; they start a :class:`~payment_worker.worker.sweeper.SweeperThread`
@@ -13,6 +14,19 @@ in each process that runs tasks and stop it at shutdown:
 Why a thread and not a message: see :mod:`payment_worker.worker.sweeper` and the Sweeper
 section of docs/processing.md. The thread is found again through ``threading.enumerate()``:
 this module keeps no state of its own.
+
+The same receivers start the process's liveness heartbeat (:mod:`payment_worker.locks.liveness`)
+before the first task, and stop it at the very end, deleting the key, so a lock left behind
+is taken over at once.
+
+**Warm shutdown** (SIGTERM, or ``celery control shutdown``): Celery stops consuming and waits
+for the running tasks. ``worker_shutting_down`` is sent in the worker's main process as soon
+as the shutdown begins; the receiver sets the runtime's ``shutting_down`` event, and every
+drain hands its account back at its next safe point (between two items, after recording what
+it learnt): it gives the untouched items back, releases the lock and re-enqueues the account,
+so another worker continues it within seconds instead of after a 10 s slice (or, for a
+killed worker, after the lock's TTL). With the prefork pool the signal reaches the parent
+only: its children finish their slice as before (the threads pool is the default).
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from celery.signals import (
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
+    worker_shutting_down,
 )
 
 from payment_worker import runtime
@@ -63,17 +78,37 @@ def _runs_tasks_here(pool: Any) -> bool:
     return not isinstance(pool, PreforkPool)
 
 
+def start_liveness() -> None:
+    """Start this process's heartbeat now, so the first lock does not wait for a beat."""
+    rt = runtime.current()
+    if not rt.liveness.start():
+        log.warning("liveness_not_established", holder=rt.liveness.holder_id)
+
+
 def _child_started(**_: Any) -> None:
+    start_liveness()
     start_sweeper()
 
 
 def _worker_ready(sender: Any = None, **_: Any) -> None:
     if _runs_tasks_here(getattr(sender, "pool", None)):
+        start_liveness()
         start_sweeper()
+
+
+def hand_back_on_shutdown(**_: Any) -> None:
+    """A warm shutdown began: drains of this process hand their accounts back at once."""
+    rt = runtime.current()
+    if not rt.shutting_down.is_set():
+        rt.shutting_down.set()
+        log.info("worker_handing_back", holder=rt.liveness.holder_id)
 
 
 def _stopping(**_: Any) -> None:
     stop_sweeper()
+    # every task has ended: nothing of ours may be trusted any more, and a lock left behind
+    # (a task killed by its time limit) is taken over at once
+    runtime.current().liveness.stop()
 
 
 # connected when Celery imports this module (plain calls: Celery's decorators are untyped)
@@ -81,3 +116,4 @@ worker_process_init.connect(_child_started)
 worker_ready.connect(_worker_ready)
 worker_process_shutdown.connect(_stopping)
 worker_shutdown.connect(_stopping)
+worker_shutting_down.connect(hand_back_on_shutdown)

@@ -120,8 +120,10 @@ class RedisAccountQueue:
         self._rt.redis.set(self._rt.keys.waiting(account_id), batch_id, px=self._mark_ms)
 
     def consume(self, account_id: str) -> None:
-        """Clear the mark."""
-        self._rt.redis.delete(self._rt.keys.waiting(account_id))
+        """Clear the mark, and the sweeper's: a repair message, if one was sent, has done its
+        job now that a holder has the account (both keys in the account's slot)."""
+        keys = self._rt.keys
+        self._rt.redis.delete(keys.waiting(account_id), keys.swept(account_id))
 
     def announced(self, account_id: str) -> bool:
         """Whether a task left the mark again."""

@@ -1,8 +1,9 @@
 """The sweeper (``run_sweep``) against real PostgreSQL and Redis, with the real broker.
 
 docs/processing.md, "Sweeper": one pass at a time (a Redis lock), accounts with due open
-items and no write for SWEEPER_STALE_AFTER whose lock is free get one batch enqueued, at
-most once per stale period, and the sweeper never calls the gateway. Publishes are observed
+items and no write for SWEEPER_STALE_AFTER and no live lock holder get one batch enqueued, at
+most once per SWEEPER_RESEND_AFTER, and the sweeper never calls the gateway. (The liveness
+takeover by the sweeper is in test_recovery.py.) Publishes are observed
 in the broker itself: kombu's Redis transport keeps the ``payments`` queue as a Redis list.
 Rows are made old with an UPDATE of ``updated_at``, not by sleeping.
 """
@@ -38,6 +39,8 @@ STALE = 1.0  # SWEEPER_STALE_AFTER of these tests, seconds
 def srt(pw_env: PwEnv, monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.Runtime]:
     """The process runtime with a short stale period."""
     monkeypatch.setenv("SWEEPER_STALE_AFTER", str(STALE))
+    # one repair message per account per STALE seconds (until a holder takes the account)
+    monkeypatch.setenv("SWEEPER_RESEND_AFTER", str(STALE))
     runtime.reset()  # rebuilt from the setting above
     rt = runtime.current()
     assert rt.settings.sweeper_stale_after == STALE
@@ -65,10 +68,22 @@ def test_batch_saved_while_the_broker_was_down_is_reenqueued(
 ) -> None:
     _save("b-1", "acct-1", srt)
     # fresh rows are not stalled: the sweeper must not race a normal submission
-    assert run_sweep(srt) == {"result": "ok", "stalled": 0, "busy": 0, "reenqueued": []}
+    assert run_sweep(srt) == {
+        "result": "ok",
+        "stalled": 0,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": [],
+    }
     assert broker_messages(pw_env) == []
     _age(db_conn)
-    assert run_sweep(srt) == {"result": "ok", "stalled": 1, "busy": 0, "reenqueued": ["b-1"]}
+    assert run_sweep(srt) == {
+        "result": "ok",
+        "stalled": 1,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": ["b-1"],
+    }
     assert broker_messages(pw_env) == ["b-1"]
 
 
@@ -82,7 +97,7 @@ def test_second_sweep_within_the_stale_period_publishes_nothing(
     again = run_sweep(srt)
     assert time.monotonic() - first < STALE  # otherwise this check would prove nothing
     # still stalled (nobody processed it), but already repaired in this period
-    assert again == {"result": "ok", "stalled": 1, "busy": 0, "reenqueued": []}
+    assert again == {"result": "ok", "stalled": 1, "busy": 0, "taken_over": 0, "reenqueued": []}
     assert broker_messages(pw_env) == ["b-1"]
     # at most once per period, not once for ever: after the period it is repaired again
     wait_until(lambda: run_sweep(srt)["reenqueued"] == ["b-1"], STALE * 3, "a second repair")
@@ -100,14 +115,26 @@ def test_accounts_whose_lock_is_held_are_busy_and_not_enqueued(
     assert holder.acquire()
     try:
         result = run_sweep(srt)
-        assert result == {"result": "ok", "stalled": 2, "busy": 1, "reenqueued": ["b-free"]}
+        assert result == {
+            "result": "ok",
+            "stalled": 2,
+            "busy": 1,
+            "taken_over": 0,
+            "reenqueued": ["b-free"],
+        }
         assert broker_messages(pw_env) == ["b-free"]
     finally:
         holder.release()
     # a busy account got no repair marker: once its lock is free it is repaired at once
     # (acct-free is not published again: its period is not over)
     result = run_sweep(srt)
-    assert result == {"result": "ok", "stalled": 2, "busy": 0, "reenqueued": ["b-held"]}
+    assert result == {
+        "result": "ok",
+        "stalled": 2,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": ["b-held"],
+    }
     assert broker_messages(pw_env) == ["b-free", "b-held"]
 
 
@@ -116,7 +143,13 @@ def test_a_concurrent_sweep_is_skipped(
     pw_env: PwEnv,
     db_conn: psycopg.Connection[Any],
     redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # the sweeper's lock lasts two intervals: long enough here for the first pass to be
+    # seen waiting however slow the machine (the short default is for a dead sweeper)
+    monkeypatch.setenv("SWEEPER_INTERVAL", "10")
+    runtime.reset()
+    srt = runtime.current()
     _save("b-1", "acct-1", srt)
     _age(db_conn)
     guard_key = f"{srt.settings.redis_key_prefix}:sweeper"
@@ -159,7 +192,13 @@ def test_a_concurrent_sweep_is_skipped(
         blocker.close()
         for t in threads:
             t.join(10)
-    assert results["first"] == {"result": "ok", "stalled": 1, "busy": 0, "reenqueued": ["b-1"]}
+    assert results["first"] == {
+        "result": "ok",
+        "stalled": 1,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": ["b-1"],
+    }
     assert broker_messages(pw_env) == ["b-1"]
     # the pass released its lock: the next one runs (and publishes nothing, same period)
     assert not redis_client.exists(guard_key)
@@ -235,6 +274,7 @@ def test_a_failed_publish_leaves_no_marker_so_the_next_sweep_retries(
         "result": "broker_error",
         "stalled": 1,
         "reenqueued": [],
+        "taken_over": 0,
     }
     assert redis_client.keys(f"{srt.settings.redis_key_prefix}:swept:*") == []
     # with the broker back, the very next sweep repairs it (no stale period lost)
@@ -273,9 +313,21 @@ def test_a_batch_left_processing_with_every_item_terminal_is_completed(
     statuses = db_conn.execute("SELECT DISTINCT status FROM transactions").fetchall()
     assert statuses == [("succeeded",)]
     # no due item is left: only the sweeper can see it, once nothing was written for a while
-    assert run_sweep(srt) == {"result": "ok", "stalled": 0, "busy": 0, "reenqueued": []}
+    assert run_sweep(srt) == {
+        "result": "ok",
+        "stalled": 0,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": [],
+    }
     _age(db_conn)
-    assert run_sweep(srt) == {"result": "ok", "stalled": 1, "busy": 0, "reenqueued": ["b-full"]}
+    assert run_sweep(srt) == {
+        "result": "ok",
+        "stalled": 1,
+        "busy": 0,
+        "taken_over": 0,
+        "reenqueued": ["b-full"],
+    }
     # it never writes a batch row itself: the holder its message starts completes it
     assert db_conn.execute(batch).fetchone() == ("processing", 0)
     assert broker_messages(pw_env) == ["b-full"]

@@ -46,6 +46,7 @@ class World:
     max_attempts: int = 3
     in_doubt_max: float = 3600.0
     key_trust: float = 77760.0
+    stopping: list[bool] = field(default_factory=lambda: [False])  # a warm shutdown began
 
     def lock_for(self, account_id: str) -> FakeLock:
         lock = FakeLock(account_id, self.store, self.holders)
@@ -69,6 +70,7 @@ class World:
             limits=DrainLimits(self.chunk_size, self.max_seconds, self.hold_wait),
             clock=self.clock,
             sleep=self.clock.sleep,
+            stopping=lambda: self.stopping[0],
         )
 
     def run(self, batch_id: str = "batch-1") -> object:
@@ -400,3 +402,40 @@ def test_the_holder_reports_progress_between_any_two_steps(w: World) -> None:
     reports = [start, *lock.progress_at, w.clock()]
     # the longest silence is one step: never a whole item, let alone a chunk
     assert max(b - a for a, b in itertools.pairwise(reports)) <= 1.0
+
+
+def test_a_warm_shutdown_hands_the_account_back_between_two_items(w: World) -> None:
+    rows = w.store.add(ACCT, 1, 5)
+    in_doubt = w.store.add(ACCT, 1, 1, status=TxStatus.UNKNOWN, attempts=1)[0]
+    w.gateway.paid[in_doubt.key] = 1
+
+    def shutdown_after_two(kind: str, key: str) -> None:
+        if len(w.gateway.calls) == 2:
+            w.stopping[0] = True  # SIGTERM arrives while the second request is on the wire
+
+    w.gateway.on_call = shutdown_after_two
+    report = w.run()
+    # the two items sent were recorded; nothing else was sent
+    assert len(w.gateway.calls) == 2
+    assert [r.status for r in rows[:2]] == [TxStatus.SUCCEEDED] * 2
+    # the untouched items are given back due now, attempt returned, never "dispatching"
+    # (the next holder sends them without a lookup); the in-doubt one stays in doubt
+    assert all(r.status is TxStatus.RETRYABLE and r.attempts == 0 for r in rows[2:])
+    assert all(r.due_at <= w.clock() for r in rows[2:])
+    assert in_doubt.status is TxStatus.UNKNOWN and in_doubt.attempts == 1
+    # released first, then re-enqueued at once
+    assert report.handed_off and report.shutdown  # type: ignore[attr-defined]
+    assert w.queue.handed_off == [(ACCT, "batch-1")] and w.holders == {}
+    # the next holder (another worker) finishes the account; each paid once
+    w.stopping[0] = False
+    w.run()
+    assert w.store.statuses() == {"succeeded": 6}
+    assert all(w.gateway.paid[r.key] == 1 for r in [*rows, in_doubt])
+
+
+def test_a_drain_that_starts_during_shutdown_hands_back_at_once(w: World) -> None:
+    w.store.add(ACCT, 1, 3)
+    w.stopping[0] = True
+    report = w.run()
+    assert w.gateway.calls == [] and report.handed_off  # type: ignore[attr-defined]
+    assert w.queue.handed_off == [(ACCT, "batch-1")] and w.holders == {}

@@ -28,6 +28,7 @@ def test_every_key_format_is_pinned() -> None:
     assert k.waiting("acct-1") == "pw:waiting:{acct-1}"
     assert k.scheduled("acct-1") == "pw:scheduled:{acct-1}"
     assert k.swept("acct-1") == "pw:swept:{acct-1}"
+    assert k.alive("host-7-ab12") == "pw:alive:{host-7-ab12}"
     assert k.sweeper_lock() == "pw:sweeper"
     assert k.sweeper_tick() == "pw:sweeper:tick"
     assert k.submit_dedup("b-1") == "pw:submit:b-1"

@@ -1,0 +1,267 @@
+"""Holder liveness: each worker process proves it is alive, so a dead holder's locks are
+taken over in seconds instead of after the lock's TTL.
+
+* Every process that takes account locks has a **holder id** and a **liveness key**
+  (``{prefix}:alive:{holder}``, TTL ``LIVENESS_TTL_MS``) that a heartbeat thread renews
+  every ``LIVENESS_INTERVAL_MS``. The value of every account lock it holds is
+  ``<holder>:<token>``, so anyone reading a lock knows whose liveness to check.
+* A task or the sweeper that finds an account locked by a holder whose liveness key is gone
+  takes the lock at once (``lock_takeover.lua``: replace or delete it only if it still holds
+  exactly the value that was judged dead).
+* The holder side of the contract: a process may only trust its locks while its own
+  liveness key has certainly existed without a gap since it took them. :meth:`Liveness.vouches`
+  answers that with no round trip: the last successful heartbeat was sent less than
+  ``LIVENESS_TTL_MS - LOCK_SAFETY_MARGIN_MS`` ago (local boottime clock), and no heartbeat
+  since the lock was taken found a gap (the key missing, or a success later than the window
+  allows): each gap starts a new **epoch**, and a lock remembers the epoch it was taken in.
+  ``AccountLock.ensure_held`` (right before every send) checks it, so a process resumed
+  after SIGSTOP stops before any send, whichever of its threads runs first.
+
+Redis Cluster: the liveness key has its own hash tag, another slot than ``{account}``.
+The takeover script therefore touches only the lock key; the liveness check is a separate,
+earlier read. That is safe because a holder whose key a taker saw missing has, by the rule
+above, already stopped trusting its locks (its window ended at least the margin before the
+key could expire), and the exact compare in the script means the taker replaces only the
+lock it judged, never a newer holder's. Writes the old holder still makes are rejected by
+the Postgres fence; a request it already had in flight is resolved by lookup under the
+same Idempotency-Key. docs/locks.md ("Holder liveness") has the whole argument.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import redis
+from redis.exceptions import RedisError
+
+from payment_worker import lua
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.metrics import LIVENESS_BEATS, LIVENESS_LAPSES
+from payment_worker.redis_keys import RedisKeys
+
+log = get_logger("liveness")
+
+# KEYS = [lock]; ARGV = [value judged dead, new value or '', ttl ms]
+TAKEOVER_LUA = lua.load("lock_takeover")
+
+# "<holder>:<token>": the token is hex, so the last ':' splits the two
+HOLDER_SEPARATOR = ":"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+# the sweeper reads locks in pipelines of this many commands
+READ_CHUNK = 1000
+
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def boottime() -> float:
+    """Seconds on a clock that keeps counting through a pause or a host suspend."""
+    if _BOOTTIME is not None:
+        return time.clock_gettime(_BOOTTIME)
+    return time.monotonic()
+
+
+def make_holder_id() -> str:
+    """A holder id unique to this process's life: host, pid and a random part (no ':' and
+    no braces, so it neither splits a lock value nor moves a key's hash tag)."""
+    host = _UNSAFE.sub("-", socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def lock_value(holder_id: str, token: str) -> str:
+    """The value of a lock held by ``holder_id``: ``<holder>:<token>``."""
+    return f"{holder_id}{HOLDER_SEPARATOR}{token}"
+
+
+def holder_of(value: bytes | str | None) -> str | None:
+    """The holder id of a lock value, or None (no lock, or a value without a holder: a lock
+    taken without liveness, which only its TTL frees)."""
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    holder, sep, token = text.rpartition(HOLDER_SEPARATOR)
+    return holder if sep and holder and token else None
+
+
+class Liveness:
+    """One process's liveness key and its heartbeat thread.
+
+    Started lazily by the first lock acquisition (or eagerly by the worker's lifecycle);
+    :meth:`stop` ends the thread and deletes the key, so locks left behind are taken over
+    at once. Thread-safe: beats are serialised, the state is one tuple read atomically.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: RedisKeys,
+        *,
+        ttl_ms: int,
+        interval_ms: int,
+        margin_ms: int,
+        clock: Callable[[], float] = boottime,
+        holder_id: str | None = None,
+    ) -> None:
+        if interval_ms <= 0 or not 0 <= margin_ms < ttl_ms:
+            raise ValueError("need interval_ms > 0 and 0 <= margin_ms < ttl_ms")
+        self.holder_id = holder_id or make_holder_id()
+        self.key = keys.alive(self.holder_id)
+        self.ttl_ms = ttl_ms
+        self.interval = interval_ms / 1000
+        # a lock is trusted while the last good beat was sent less than this long ago
+        self.window = (ttl_ms - margin_ms) / 1000
+        self._client = client
+        self._clock = clock
+        # (epoch, clock reading before the last successful beat was sent); epoch 0: never
+        # beaten, -1: stopped. One tuple, so a reader never sees half an update.
+        self._state: tuple[int, float] = (0, float("-inf"))
+        self._beat_mutex = threading.Lock()
+        self._start_mutex = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- heartbeat ------------------------------------------------------------------------
+
+    def beat(self) -> bool:
+        """Renew the key once; True on success. A gap since the last success (the key was
+        missing, or this success came later than the window allows) starts a new epoch:
+        the locks taken before it are no longer vouched for."""
+        with self._beat_mutex:
+            if self._stopping.is_set():
+                return False
+            sent = self._clock()
+            try:
+                old = self._client.set(self.key, os.getpid(), px=self.ttl_ms, get=True)
+            except RedisError as exc:
+                LIVENESS_BEATS.labels("error").inc()
+                log.warning("liveness_beat_failed", holder=self.holder_id, error=str(exc))
+                return False
+            replied = self._clock()
+            epoch, last = self._state
+            if epoch <= 0 or old is None or replied - last >= self.window:
+                if epoch > 0:
+                    LIVENESS_LAPSES.inc()
+                    log.warning(
+                        "liveness_lapsed",
+                        holder=self.holder_id,
+                        key_was_missing=old is None,
+                        since_last_beat_s=round(replied - last, 3),
+                    )
+                epoch = max(epoch, 0) + 1
+            self._state = (epoch, sent)
+            LIVENESS_BEATS.labels("ok").inc()
+            return True
+
+    def _run(self) -> None:
+        delay = self.interval
+        while not self._stopping.wait(delay):
+            try:
+                ok = self.beat()
+            except Exception:
+                # a bug must not end the heartbeat silently; the window protects the locks
+                log.exception("liveness_tick_failed", holder=self.holder_id)
+                ok = False
+            # after a failure try again soon: the window is short
+            delay = self.interval if ok else min(self.interval, 0.1)
+
+    def start(self) -> bool:
+        """Beat once now and start the heartbeat thread (no-op when running or stopped).
+        Returns whether the process is vouched for now."""
+        with self._start_mutex:
+            if self._thread is None and not self._stopping.is_set():
+                self.beat()
+                self._thread = threading.Thread(target=self._run, name="pw-liveness", daemon=True)
+                self._thread.start()
+                log.info("liveness_started", holder=self.holder_id, key=self.key)
+        return self.current_epoch() is not None
+
+    def stop(self, *, forget: bool = True, timeout: float = 2.0) -> None:
+        """Stop beating; with ``forget`` delete the key, so any lock this process still
+        holds is taken over at once. Nothing is vouched for afterwards."""
+        self._stopping.set()
+        with self._beat_mutex:
+            self._state = (-1, float("-inf"))
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        if forget and thread is not None:
+            try:
+                self._client.delete(self.key)
+            except RedisError as exc:
+                log.warning("liveness_forget_failed", holder=self.holder_id, error=str(exc))
+
+    @property
+    def running(self) -> bool:
+        """Whether the heartbeat thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- what the locks ask -----------------------------------------------------------------
+
+    def current_epoch(self) -> int | None:
+        """The epoch if the process is vouched for right now, else None. No round trip."""
+        epoch, last = self._state
+        if epoch > 0 and self._clock() < last + self.window:
+            return epoch
+        return None
+
+    def epoch_for_acquire(self) -> int | None:
+        """The epoch to record in a lock about to be taken: starts the heartbeat on first
+        use, beats at once when the last beat is too old. None: the process cannot prove it
+        is alive (Redis unreachable, stopped); take no lock then."""
+        if self._thread is None and not self._stopping.is_set():
+            self.start()
+        epoch = self.current_epoch()
+        if epoch is None and not self._stopping.is_set() and self.beat():
+            epoch = self.current_epoch()
+        return epoch
+
+    def vouches(self, epoch: int) -> bool:
+        """Whether a lock taken in ``epoch`` may still be trusted: the key has existed
+        without a gap since, and the last good beat is recent. No round trip."""
+        return self.current_epoch() == epoch
+
+
+# --- what a taker does (a task on contention, the sweeper) -------------------------------------
+
+
+def alive_holders(client: redis.Redis, keys: RedisKeys, holders: Sequence[str]) -> set[str]:
+    """The holders among ``holders`` whose liveness key exists (one pipelined round trip)."""
+    if not holders:
+        return set()
+    pipe = client.pipeline(transaction=False)
+    for holder in holders:
+        pipe.exists(keys.alive(holder))
+    return {h for h, n in zip(holders, pipe.execute(), strict=True) if n}
+
+
+def read_locks(
+    client: redis.Redis, keys: RedisKeys, account_ids: Sequence[str]
+) -> list[bytes | None]:
+    """The lock values of ``account_ids`` (None: free), in pipelines of ``READ_CHUNK`` GETs
+    (one GET per key, so it works across Redis Cluster slots)."""
+    out: list[bytes | None] = []
+    for i in range(0, len(account_ids), READ_CHUNK):
+        pipe = client.pipeline(transaction=False)
+        for acct in account_ids[i : i + READ_CHUNK]:
+            pipe.get(keys.lock(acct))
+        out += pipe.execute()
+    return out
+
+
+def take_over(
+    client: redis.Redis,
+    lock_key: str,
+    dead_value: bytes | str,
+    new_value: str = "",
+    ttl_ms: int = 0,
+) -> bool:
+    """Replace (``new_value``) or delete (``''``) a lock whose holder was found dead, only if
+    it still holds exactly ``dead_value``. True when done."""
+    old = dead_value.decode() if isinstance(dead_value, bytes) else dead_value
+    script = client.register_script(TAKEOVER_LUA)
+    return bool(script(keys=[lock_key], args=[old, new_value, max(ttl_ms, 1)]) == 1)

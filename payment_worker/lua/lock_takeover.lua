@@ -1,0 +1,20 @@
+-- lock_takeover: take (or clear) an account lock whose holder process is no longer alive.
+--
+-- KEYS[1]  the lock ({prefix}:lock:{acct})
+-- ARGV[1]  the lock value the caller read and judged dead (`<holder>:<token>`)
+-- ARGV[2]  the new value (`<holder>:<token>` of the taker), or '' to delete the lock
+-- ARGV[3]  the lock TTL in ms (for a new value)
+--
+-- Returns 1 when the lock still held exactly ARGV[1] and now holds ARGV[2] (or is gone);
+-- 0 when it changed meanwhile (released, handed over, taken by someone else): untouched.
+-- The holder's liveness key lives in another Redis Cluster slot, so the caller checks it
+-- with a separate read before; the exact value compare makes that safe (docs/locks.md).
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+if ARGV[2] == '' then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+end
+return 1
