@@ -83,7 +83,9 @@ class GatewayClient:
             # longer than one token request can take, so a live refresher keeps the lock
             lock_ttl=s.gateway_connect_timeout + s.gateway_read_timeout + 1.0,
         )
-        self.pacer = Pacer(redis, prefix=s.redis_key_prefix)
+        self.pacer = Pacer(
+            redis, prefix=s.redis_key_prefix, lease_seconds=s.gateway_pacing_lease_seconds
+        )
 
     def _transport(self) -> httpx.HTTPTransport:
         transport: httpx.HTTPTransport | None = getattr(self._local, "transport", None)
