@@ -11,12 +11,12 @@ them locally without another round trip:
   per request. The slots of one lease are spent in order, at least one interval apart, none
   before its time; a slot not used before the lease's window ends (its last slot's time)
   is void, so an unused lease only expires, it never piles up into a burst.
-* A block is at most one lease window (100 ms by default) of the account's time. It grows
-  with use (2 slots first, then twice what the last block saw used), so a holder slower
-  than one request per interval leases one slot at a time. A process coming fresh may
-  reserve a block up to one block ahead, one that just spent a block only the next slot,
-  so a waiting process gets the next block first (normally there is none: the account
-  lock gives the account to one holder at a time).
+* A block is one lease window (100 ms by default) of the account's time, whatever the
+  holder's pace: one slower than the rate still spends several slots per window (a
+  holder at 30 ms per request: 3 or 4 per script). A process coming fresh may reserve a
+  block up to one block ahead, one that just spent a block only the next slot, so a
+  waiting process gets the next block first (normally there is none: the account lock
+  gives the account to one holder at a time).
 * A 429's ``Retry-After`` is recorded in the same key as a cooldown: no slot is leased
   before it ends. The process that records it drops its own lease at once; a lease held by
   another process runs out within its window.
@@ -149,18 +149,15 @@ class Pacer:
         now: float,
     ) -> float:
         """One script call: lease a block of the account's slots and take the first if due."""
-        # as many slots as the last block of the account saw used, doubled: a holder that
-        # waits 100 ms per answer leases one at a time, one at zero latency grows to the block
-        n = block = self.block(rate)
-        # fairness: a process that just spent a block may lease the next one only when it is
-        # (about) due, while one that comes fresh may reserve up to a whole block ahead, so
-        # a waiting process gets the next block before the last holder asks again
+        # a whole block each time: a holder slower than the rate (busy CPU, gateway latency)
+        # still spends several slots of a block's window, and nobody else wants the account
+        # while its lock is held. Fairness: a process that just spent a block may lease the
+        # next one only when it is (about) due, while one that comes fresh may reserve up to
+        # a whole block ahead, so a waiting process gets the next block before the last
+        # holder asks again.
+        n = self.block(rate)
         continuing = last is not None and last.end > now - 1.0
-        if last is not None and continuing:
-            n = min(n, max(1, 2 * last.used))
-        elif n > 1:
-            n = 2
-        reach_ms = (1 if continuing else block) * interval * 1000
+        reach_ms = (1 if continuing else n) * interval * 1000
         ahead_ms = reach_ms if ahead is None else max(0.0, min(reach_ms, ahead * 1000))
         sent = self._clock()
         granted, delay = self._acquire(keys=[self.key(account_id)], args=[rate, n, ahead_ms])
