@@ -182,8 +182,9 @@ class Renewer:
             self._reset()  # forked: the parent's thread and leases are not ours
         lease.due = self._clock() + lease.interval
         with self._cond:
-            if self._closed:
-                raise RuntimeError("the lock renewer is closed")
+            # a lock taken after close() (a caller still holding an old runtime's lock
+            # object) is renewed all the same: refusing it here would leave it held in Redis
+            self._closed = False
             self._leases[id(lease)] = lease
             if self._thread is None and self._threaded:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
@@ -209,7 +210,8 @@ class Renewer:
         return self._thread
 
     def close(self) -> None:
-        """Stop renewing everything and end the thread (the end of the process's runtime)."""
+        """Stop renewing everything held now and end the thread (the end of the process's
+        runtime); a lease added later starts it again."""
         with self._cond:
             self._closed = True
             self._leases.clear()
