@@ -62,6 +62,14 @@ class Renewals:
         return [self.answer] * len(batch)
 
 
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """A fake clock, also the locks' own: deadlines and renewals read the same time."""
+    fake = FakeClock()
+    monkeypatch.setattr(account_lock, "_clock", fake)
+    return fake
+
+
 def _renewer(clock: FakeClock) -> tuple[Renewer, Renewals]:
     # no thread: the test drives tick() on a clock it moves; the client never connects
     renewer = Renewer(redis.Redis(port=1), clock=clock, threaded=False)
@@ -97,8 +105,8 @@ def _held_lock(
     return lock
 
 
-def test_a_holder_that_reports_progress_keeps_its_lock() -> None:
-    clock, reasons = FakeClock(), []
+def test_a_holder_that_reports_progress_keeps_its_lock(clock: FakeClock) -> None:
+    reasons: list[str] = []
     renewer, renew = _renewer(clock)
     lock = _held_lock(clock, reasons, renewer)
     for _ in range(30):  # 30 ticks of one second: three times the bound
@@ -109,8 +117,8 @@ def test_a_holder_that_reports_progress_keeps_its_lock() -> None:
     lock.ensure_held()
 
 
-def test_a_silent_holder_loses_its_lock_and_it_is_not_renewed() -> None:
-    clock, reasons = FakeClock(), []
+def test_a_silent_holder_loses_its_lock_and_it_is_not_renewed(clock: FakeClock) -> None:
+    reasons: list[str] = []
     renewer, renew = _renewer(clock)
     lock = _held_lock(clock, reasons, renewer)
     before = (
@@ -134,8 +142,8 @@ def test_a_silent_holder_loses_its_lock_and_it_is_not_renewed() -> None:
     assert renewer.tick() is None and renew.calls == 1 and len(renewer) == 0
 
 
-def test_locks_due_together_share_one_round_trip() -> None:
-    clock, reasons = FakeClock(), []
+def test_locks_due_together_share_one_round_trip(clock: FakeClock) -> None:
+    reasons: list[str] = []
     renewer, renew = _renewer(clock)
     a = _held_lock(clock, reasons, renewer, "a")
     clock.sleep(0.05)  # within a tenth of the interval: renewed in the same batch as a
@@ -158,8 +166,8 @@ def test_locks_due_together_share_one_round_trip() -> None:
     assert renew.calls == 3 + 30 * 3 and reasons == []
 
 
-def test_a_release_during_the_round_trip_discards_the_answer() -> None:
-    clock, reasons = FakeClock(), []
+def test_a_release_during_the_round_trip_discards_the_answer(clock: FakeClock) -> None:
+    reasons: list[str] = []
     renewer, renew = _renewer(clock)
     a = _held_lock(clock, reasons, renewer, "a")
     b = _held_lock(clock, reasons, renewer, "b")
@@ -178,10 +186,9 @@ def test_a_release_during_the_round_trip_discards_the_answer() -> None:
 
 
 def test_redis_unreachable_retries_sooner_then_marks_lost_at_the_deadline(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: FakeClock,
 ) -> None:
-    clock, reasons = FakeClock(), []
-    monkeypatch.setattr(account_lock, "_clock", clock)  # the local deadline on the same clock
+    reasons: list[str] = []
     renewer, renew = _renewer(clock)
     lock = _held_lock(clock, reasons, renewer, deadline=clock() + 2.9)  # TTL - margin
     renew.answer = redis.exceptions.ConnectionError("refused")
