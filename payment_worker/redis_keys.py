@@ -21,8 +21,8 @@ Each entry: key (type, TTL): what it holds; who writes it.
     ``token``, ``lead_ms``: the account's shared gateway token. TokenManager's store script.
 ``{prefix}:token-lock:{acct}`` (string, gateway connect + read timeout + 1 s)
     The token refresh lock; value: a random owner. TokenManager.
-``{prefix}:pace:{acct}`` (hash, burst/rate + 1 s; a 429's cooldown + 60 s)
-    ``tokens``, ``ts``, ``until``: the account's request bucket. Pacer's scripts.
+``{prefix}:pace:{acct}`` (hash, the last leased slot + 1 s; a 429's cooldown + 60 s)
+    ``tat``, ``until``: the account's first free request slot and cooldown. Pacer's scripts.
 ``{prefix}:waiting:{acct}`` (string, 4 x ``LOCK_TTL_MS``)
     "Work waiting" left by a task that found the lock busy; value: a batch id. The drain
     loop (set by any task, deleted by the holder).

@@ -27,7 +27,7 @@ from payment_worker.domain.transitions import Policy
 from payment_worker.gateway.client import GatewayClient
 from payment_worker.locks.account_lock import AccountLock
 from payment_worker.locks.liveness import Liveness
-from payment_worker.locks.watchdog import renewal_client
+from payment_worker.locks.watchdog import Renewer, renewal_client
 from payment_worker.redis_keys import RedisKeys
 from payment_worker.settings import Settings, load_settings
 
@@ -94,6 +94,8 @@ class Runtime:
         self.redis: redis.Redis = redis.Redis.from_url(self.urls.redis, health_check_interval=10)
         # renewals: no client-side retries, a socket timeout of at most TTL/3
         self.renewal_redis: redis.Redis = renewal_client(self.redis, s.lock_ttl_ms)
+        # one thread renews every lock this process holds, one round trip per tick
+        self.renewer = Renewer(self.renewal_redis)
         # the producer's dedup window: a slow Redis must not stall submission (Postgres decides)
         self.dedup_redis: redis.Redis = redis.Redis.from_url(
             self.urls.redis, socket_timeout=1.0, socket_connect_timeout=1.0
@@ -146,14 +148,15 @@ class Runtime:
             ttl_ms=s.lock_ttl_ms,
             safety_margin_ms=s.lock_safety_margin_ms,
             key_prefix=s.redis_key_prefix,
-            renewal_redis=self.renewal_redis,
             max_stall=s.lock_max_stall_seconds,
             liveness=self.liveness,
+            renewer=self.renewer,
         )
 
     def close(self) -> None:
         """Close every client (end of a command, of a test, or of the process). The liveness
         key is deleted: locks this process still holds are taken over at once."""
+        self.renewer.close()
         self.liveness.stop()
         self.gateway.close()
         for client in (self.redis, self.renewal_redis, self.dedup_redis, self.liveness_redis):

@@ -116,6 +116,10 @@ class Settings(BaseSettings):
     gateway_token_refresh_fraction: float = Field(0.1, gt=0, lt=1)
     # longest wait for an account's pacing slot (or 429 cooldown) before a call gives up (RETRY)
     gateway_pacing_max_wait: float = Field(10.0, gt=0)
+    # --- gateway pacing leases (issue 13, hotpath) ---
+    # pacing slots are leased from Redis in blocks of up to rate x this many seconds (one
+    # slot when that is below 2) and spent locally: one script per block, not per request
+    gateway_pacing_lease_seconds: float = Field(0.1, ge=0, le=1.0)
 
     # --- account lock and fencing ---------------------------------------------------------
     lock_ttl_ms: int = Field(30_000, gt=0)

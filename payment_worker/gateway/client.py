@@ -1,9 +1,12 @@
 """The gateway client: create and look up payments, classified into outcomes.
 
-One :class:`GatewayClient` per process, shared by its threads. Each thread has its own pooled
-``httpx.HTTPTransport`` (explicit connect/read timeouts per request); requests go straight
-to it with pre-parsed URLs, because ``httpx.Client``'s per-call URL merging, cookie and
-redirect handling cost about a third of a request's CPU (measured). It takes the account's
+One :class:`GatewayClient` per process, shared by its threads. Each thread has its own
+``httpcore.ConnectionPool`` (the connection pool under httpx; explicit connect/read
+timeouts per request); requests go straight to it with pre-parsed URLs and pre-encoded
+headers, because ``httpx.Client``'s per-call URL merging, cookie and redirect handling
+cost about a third of a request's CPU, and httpx's request and response models another
+part (measured, docs/benchmarks.md). Transport errors are raised as httpx's exception
+classes, which :mod:`payment_worker.gateway.outcomes` classifies. It takes the account's
 shared token (:mod:`payment_worker.gateway.tokens`) and a pacing slot
 (:mod:`payment_worker.gateway.pacing`) before every request, and turns every answer into a
 :class:`GatewayResult` through the tables of :mod:`payment_worker.gateway.outcomes`. It
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
+import httpcore
 import httpx
 import redis
 from redis.exceptions import RedisError
@@ -49,6 +53,55 @@ log = get_logger("gateway.client")
 Classifier = Callable[[int, httpx.Headers, bytes], GatewayResult]
 Guard = Callable[[], None]
 
+# httpcore's errors as the httpx classes the outcome tables know (most specific first),
+# as httpx's own transport maps them
+_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
+    (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout),
+    (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.ConnectError, httpx.ConnectError),
+    (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.ProxyError, httpx.ProxyError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.ProtocolError, httpx.ProtocolError),
+)
+_CORE_ERRORS = (
+    httpcore.TimeoutException,
+    httpcore.NetworkError,
+    httpcore.ProtocolError,
+    httpcore.ProxyError,
+    httpcore.UnsupportedProtocol,
+)
+_ACCEPT = (b"Accept", b"application/json")
+_JSON = (b"Content-Type", b"application/json")
+_AGENT = (b"User-Agent", b"payment-worker")
+
+
+class Answer:
+    """An HTTP answer read in full: status, headers, body (what the outcome tables read)."""
+
+    __slots__ = ("content", "raw_headers", "status_code")
+
+    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]], content: bytes):
+        self.status_code = status_code
+        self.raw_headers = raw_headers
+        self.content = content
+
+    @property
+    def headers(self) -> httpx.Headers:
+        """The headers, case-insensitive (built on demand: most answers never need them)."""
+        return httpx.Headers(self.raw_headers)
+
+    def response(self) -> httpx.Response:
+        """As an ``httpx.Response`` (the token manager's input; rare)."""
+        return httpx.Response(self.status_code, headers=self.raw_headers, content=self.content)
+
 
 def check_idempotency_key(key: str) -> None:
     """Raise ValueError unless ``key`` is 1 to 255 printable ASCII characters (the protocol)."""
@@ -66,9 +119,13 @@ class GatewayClient:
         # one pooled httpx client per thread: a worker thread drives one account at a time,
         # and a pool shared by all threads serializes them on its lock (measured)
         self._local = threading.local()
-        self._clients: list[httpx.HTTPTransport] = []
+        self._clients: list[httpcore.ConnectionPool] = []
         self._clients_lock = threading.Lock()
-        self._urls: dict[str, httpx.URL] = {}
+        self._urls: dict[str, httpcore.URL] = {}
+        base = httpx.URL(s.gateway_url)
+        self._base = base
+        self._host = (b"Host", base.netloc)
+        self._ssl = httpx.create_ssl_context() if base.scheme == "https" else None
         self._timeouts = {
             "connect": s.gateway_connect_timeout,
             "read": s.gateway_read_timeout,
@@ -83,50 +140,59 @@ class GatewayClient:
             # longer than one token request can take, so a live refresher keeps the lock
             lock_ttl=s.gateway_connect_timeout + s.gateway_read_timeout + 1.0,
         )
-        self.pacer = Pacer(redis, prefix=s.redis_key_prefix)
+        self.pacer = Pacer(
+            redis, prefix=s.redis_key_prefix, lease_seconds=s.gateway_pacing_lease_seconds
+        )
 
-    def _transport(self) -> httpx.HTTPTransport:
-        transport: httpx.HTTPTransport | None = getattr(self._local, "transport", None)
-        if transport is None:
+    def _pool(self) -> httpcore.ConnectionPool:
+        pool: httpcore.ConnectionPool | None = getattr(self._local, "pool", None)
+        if pool is None:
             size = self._settings.gateway_pool_size
-            transport = httpx.HTTPTransport(
-                limits=httpx.Limits(max_connections=size, max_keepalive_connections=size)
+            # httpx's defaults: keep-alive 5 s, HTTP/1.1, no retries
+            pool = httpcore.ConnectionPool(
+                ssl_context=self._ssl,
+                max_connections=size,
+                max_keepalive_connections=size,
+                keepalive_expiry=5.0,
             )
-            self._local.transport = transport
+            self._local.pool = pool
             with self._clients_lock:
-                self._clients.append(transport)
-        return transport
+                self._clients.append(pool)
+        return pool
 
-    def _url(self, path: str) -> httpx.URL:
+    def _url(self, path: str) -> httpcore.URL:
         url = self._urls.get(path)
         if url is None:
-            url = httpx.URL(self._settings.gateway_url + path)
+            full = httpx.URL(self._settings.gateway_url + path)
+            url = httpcore.URL(
+                scheme=full.raw_scheme, host=full.raw_host, port=full.port, target=full.raw_path
+            )
             if len(self._urls) < 10_000:  # bounded: one entry per account and endpoint
                 self._urls[path] = url
         return url
 
     def _request(
-        self, method: str, path: str, headers: dict[str, str], body: Any = None
-    ) -> httpx.Response:
-        """One HTTP request; the response body is read and the connection returned."""
-        hdrs = {**headers, "Accept": "application/json"}
-        content = None
+        self, method: bytes, path: str, headers: list[tuple[bytes, bytes]], body: Any = None
+    ) -> Answer:
+        """One HTTP request; the answer is read in full and the connection returned.
+
+        Raises httpx's :class:`~httpx.TransportError` subclasses, as ``httpx`` would."""
+        hdrs = [self._host, _ACCEPT, _AGENT, *headers]
+        content = b""
         if body is not None:
             content = json.dumps(body, separators=(",", ":")).encode()
-            hdrs["Content-Type"] = "application/json"
-        request = httpx.Request(
-            method,
-            self._url(path),
-            headers=hdrs,
-            content=content,
-            extensions={"timeout": self._timeouts},
-        )
-        response = self._transport().handle_request(request)
+            hdrs += (_JSON, (b"Content-Length", str(len(content)).encode()))
         try:
-            response.read()
-        finally:
-            response.close()
-        return response
+            response = self._pool().request(
+                method,
+                self._url(path),
+                headers=hdrs,
+                content=content,
+                extensions={"timeout": self._timeouts},
+            )
+        except _CORE_ERRORS as exc:
+            raise _as_httpx(exc) from exc
+        return Answer(response.status, response.headers, response.content)
 
     # --- the protocol -----------------------------------------------------------------
     def create_payment(
@@ -153,9 +219,12 @@ class GatewayClient:
             account_id,
             classify_create,
             lambda token: self._request(
-                "POST",
+                b"POST",
                 path,
-                {"Authorization": f"Bearer {token}", "Idempotency-Key": idempotency_key},
+                [
+                    (b"Authorization", b"Bearer " + token.encode()),
+                    (b"Idempotency-Key", idempotency_key.encode()),
+                ],
                 transaction.body(),
             ),
             guard,
@@ -171,7 +240,9 @@ class GatewayClient:
             "lookup",
             account_id,
             classify_lookup,
-            lambda token: self._request("GET", path, {"Authorization": f"Bearer {token}"}),
+            lambda token: self._request(
+                b"GET", path, [(b"Authorization", b"Bearer " + token.encode())]
+            ),
             guard,
         )
 
@@ -194,7 +265,7 @@ class GatewayClient:
         endpoint: str,
         account_id: str,
         classify: Classifier,
-        send: Callable[[str], httpx.Response],
+        send: Callable[[str], Answer],
         guard: Guard | None = None,
     ) -> GatewayResult:
         rejected: str | None = None
@@ -240,7 +311,7 @@ class GatewayClient:
         self,
         endpoint: str,
         classify: Classifier,
-        send: Callable[[str], httpx.Response],
+        send: Callable[[str], Answer],
         token: str,
     ) -> GatewayResult:
         start = time.perf_counter()
@@ -287,7 +358,15 @@ class GatewayClient:
             "client_id": account_id,
             "client_secret": _secret(self._settings),
         }
-        return self._request("POST", "/oauth/token", {}, body)
+        return self._request(b"POST", "/oauth/token", [], body).response()
+
+
+def _as_httpx(exc: Exception) -> httpx.TransportError:
+    """httpcore's error as the httpx class of the same name."""
+    for core, mapped in _ERRORS:
+        if isinstance(exc, core):
+            return mapped(str(exc))
+    return httpx.TransportError(str(exc))
 
 
 def _seg(value: str) -> str:

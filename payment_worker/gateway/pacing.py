@@ -1,16 +1,36 @@
-"""Per-account request pacing shared by every worker process: a token bucket in Redis.
+"""Per-account request pacing shared by every worker process: slots leased from Redis in blocks.
 
-One Lua script takes a slot atomically, on the Redis server's clock (so processes on hosts
-with skewed clocks agree). A 429's ``Retry-After`` is recorded in the same key as a
-cooldown: no process takes a slot for that account before it has passed.
+Each account has one timeline of request slots, ``1/rate`` apart, kept in Redis on the
+Redis server's clock (so processes on hosts with skewed clocks agree): ``tat`` is the first
+free slot. One Lua script leases a block of consecutive slots, up to ``rate x
+GATEWAY_PACING_LEASE_SECONDS`` of them (one when that is below 2), and the process spends
+them locally without another round trip:
 
-Key: ``{prefix}:pace:{account}`` (a hash: ``tokens``, ``ts``, ``until``; the ``{account}``
-hash tag keeps all of an account's keys in one Redis Cluster slot).
+* Leased slots are used at lease time: no other process gets them, so the account never
+  gets more than one request per interval from all processes together, as with one script
+  per request. The slots of one lease are spent in order, at least one interval apart, none
+  before its time; a slot not used before the lease's window ends (its last slot's time)
+  is void, so an unused lease only expires, it never piles up into a burst.
+* A block is one lease window (100 ms by default) of the account's time, whatever the
+  holder's pace: one slower than the rate still spends several slots per window (a
+  holder at 30 ms per request: 3 or 4 per script). A process coming fresh may reserve a
+  block up to one block ahead, one that just spent a block only the next slot, so a
+  waiting process gets the next block first (normally there is none: the account lock
+  gives the account to one holder at a time).
+* A 429's ``Retry-After`` is recorded in the same key as a cooldown: no slot is leased
+  before it ends. The process that records it drops its own lease at once; a lease held by
+  another process runs out within its window.
+
+Key: ``{prefix}:pace:{account}`` (a hash: ``tat``, ``until``; the ``{account}`` hash tag keeps
+all of an account's keys in one Redis Cluster slot). Scripts: ``lua/pace_acquire.lua``,
+``lua/pace_cooldown.lua``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -19,9 +39,12 @@ from payment_worker import lua
 from payment_worker.ops.metrics import GATEWAY_PACING_WAIT_SECONDS
 from payment_worker.redis_keys import RedisKeys
 
-# take a slot (0, or the ms to wait) and record a 429's cooldown, on the server's clock
+# lease slots (or the ms to wait) and record a 429's cooldown, on the server's clock
 _ACQUIRE = lua.load("pace_acquire")
 _COOLDOWN = lua.load("pace_cooldown")
+
+# leases kept in a process before the expired ones are swept (one per account in flight)
+_SWEEP_AT = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,42 +56,166 @@ class PaceResult:
     retry_after: float = 0.0  # when not acquired: how long the account is still closed
 
 
+@dataclass(slots=True)
+class _Lease:
+    """Slots of one account leased by this process, on the local clock."""
+
+    interval: float  # seconds between two slots (1 / rate)
+    next_at: float  # the earliest moment the next slot may be used
+    end: float  # no slot is used at or after this moment (the lease's window)
+    left: int  # slots not yet used
+    used: int = 0
+
+
 class Pacer:
-    """A per-account token bucket shared through Redis; thread-safe."""
+    """A per-account slot timeline shared through Redis, leased in blocks; thread-safe.
+
+    ``lease_seconds`` 0 leases one slot per script call (one round trip per request).
+    """
 
     def __init__(
         self,
         redis_client: redis.Redis,
         prefix: str = "pw",
-        burst: float = 1.0,
+        *,
+        lease_seconds: float = 0.0,
         max_poll: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # burst 1: strict spacing of 1/rate, which any gateway-side window of `rate`/s accepts
-        self._redis = redis_client
         self._keys = RedisKeys(prefix)
-        self._burst = burst
+        self._lease_seconds = lease_seconds
         self._max_poll = max_poll
+        self._clock = clock
         self._acquire = redis_client.register_script(_ACQUIRE)
         self._cooldown = redis_client.register_script(_COOLDOWN)
+        self._leases: dict[str, _Lease] = {}
+        self._lock = threading.Lock()
+        # accounts whose lease script is in flight: the process's other threads wait for its
+        # block instead of leasing a second one (which would void the first)
+        self._leasing: set[str] = set()
+        self._leased = threading.Condition(self._lock)
+        # accounts Redis said are closed (cooldown, other processes' slots) until then: the
+        # process's other threads wait without asking again
+        self._closed: dict[str, float] = {}
+        self.scripts = 0  # lease scripts run (tests and benchmarks)
 
     def key(self, account_id: str) -> str:
-        """The Redis key of an account's bucket."""
+        """The Redis key of an account's slot timeline."""
         return self._keys.pace(account_id)
 
-    def try_acquire(self, account_id: str, rate: float) -> float:
-        """Take a slot now if one is free: 0.0, else the seconds to wait before asking again."""
-        wait_ms = int(self._acquire(keys=[self.key(account_id)], args=[rate, self._burst]))
-        return wait_ms / 1000.0
+    def block(self, rate: float) -> int:
+        """How many slots one script call leases at ``rate`` requests/s."""
+        return max(1, int(rate * self._lease_seconds + 1e-9))
+
+    def try_acquire(self, account_id: str, rate: float, ahead: float | None = None) -> float:
+        """Take a slot now if one is free: 0.0, else the seconds to wait before asking again.
+
+        A slot of this process's lease costs no round trip. Otherwise one script leases a
+        block, provided its first slot is at most one lease window (or ``ahead`` seconds,
+        when smaller) away; a block starting later leases nothing and the wait is returned.
+        """
+        interval = 1.0 / rate
+        now = self._clock()
+        with self._lock:
+            while account_id in self._leasing:
+                self._leased.wait(1.0)
+                now = self._clock()
+            closed = self._closed.get(account_id)
+            if closed is not None:
+                if closed > now:
+                    return closed - now
+                del self._closed[account_id]
+            lease = self._leases.get(account_id)
+            if lease is not None:
+                wait = self._take(lease, interval, now)
+                if wait is not None:
+                    return wait
+                del self._leases[account_id]
+            self._leasing.add(account_id)
+        try:
+            return self._lease(account_id, rate, interval, ahead, lease, now)
+        finally:
+            with self._lock:
+                self._leasing.discard(account_id)
+                self._leased.notify_all()
+
+    def _lease(
+        self,
+        account_id: str,
+        rate: float,
+        interval: float,
+        ahead: float | None,
+        last: _Lease | None,
+        now: float,
+    ) -> float:
+        """One script call: lease a block of the account's slots and take the first if due."""
+        # a whole block each time: a holder slower than the rate (busy CPU, gateway latency)
+        # still spends several slots of a block's window, and nobody else wants the account
+        # while its lock is held. Fairness: a process that just spent a block may lease the
+        # next one only when it is (about) due, while one that comes fresh may reserve up to
+        # a whole block ahead, so a waiting process gets the next block before the last
+        # holder asks again.
+        n = self.block(rate)
+        continuing = last is not None and last.end > now - 1.0
+        reach_ms = (1 if continuing else n) * interval * 1000
+        ahead_ms = reach_ms if ahead is None else max(0.0, min(reach_ms, ahead * 1000))
+        sent = self._clock()
+        granted, delay = self._acquire(keys=[self.key(account_id)], args=[rate, n, ahead_ms])
+        got = self._clock()
+        self.scripts += 1
+        delay_s = float(delay) / 1000
+        if int(granted) == 0:
+            with self._lock:
+                if len(self._leases) + len(self._closed) >= _SWEEP_AT:
+                    self._sweep(got)
+                self._closed[account_id] = got + delay_s
+            return delay_s
+        # the first slot is never used before its time (counted from the answer), the last
+        # never after the window as the server knows it (counted from the request)
+        start = got + delay_s
+        granted = int(granted)
+        lease = _Lease(interval, start, sent + delay_s + granted * interval, granted)
+        with self._lock:
+            if len(self._leases) + len(self._closed) >= _SWEEP_AT:
+                self._sweep(got)
+            self._leases[account_id] = lease
+            wait = self._take(lease, interval, self._clock())
+        return wait if wait is not None else delay_s
+
+    @staticmethod
+    def _take(lease: _Lease, interval: float, now: float) -> float | None:
+        """With the lock held: 0.0 (a slot taken), the wait for the next slot, or None when
+        the lease is spent, void or of another rate."""
+        if lease.left <= 0 or lease.interval != interval:
+            return None
+        at = max(now, lease.next_at)
+        # the first slot is always usable: it is the one a single-slot lease would give
+        if lease.used > 0 and at >= lease.end:
+            return None
+        if at > now:
+            return at - now
+        lease.left -= 1
+        lease.used += 1
+        lease.next_at = now + interval  # spaced from this use, never bunched after a delay
+        return 0.0
+
+    def _sweep(self, now: float) -> None:
+        for account_id in [a for a, lease in self._leases.items() if lease.end <= now]:
+            del self._leases[account_id]
+        for account_id in [a for a, until in self._closed.items() if until <= now]:
+            del self._closed[account_id]
 
     def acquire(self, account_id: str, rate: float, max_wait: float) -> PaceResult:
         """Wait for a slot of ``account_id`` at ``rate`` requests/s, at most ``max_wait`` s.
 
-        Gives up at once, without sleeping, when the account is closed (a 429 cooldown or a
-        queue) for longer than ``max_wait``; the caller reschedules instead of blocking.
+        Gives up at once, without sleeping, when the account is closed (a 429 cooldown or
+        other processes' slots) for longer than ``max_wait``; the caller reschedules instead
+        of blocking.
         """
         start = time.monotonic()
+        waited = 0.0
         while True:
-            wait = self.try_acquire(account_id, rate)
+            wait = self.try_acquire(account_id, rate, max_wait - waited)
             waited = time.monotonic() - start
             if wait <= 0:
                 GATEWAY_PACING_WAIT_SECONDS.observe(waited)
@@ -76,10 +223,15 @@ class Pacer:
             if waited + wait > max_wait:
                 GATEWAY_PACING_WAIT_SECONDS.observe(waited)
                 return PaceResult(False, waited, retry_after=wait)
-            # poll again: another process may take the slot first, and a 429 may close it
+            # ask again: a leased slot comes due, another process's lease ends, a 429 closes it
             time.sleep(min(wait, self._max_poll))
+            waited = time.monotonic() - start
 
     def cooldown(self, account_id: str, seconds: float) -> float:
-        """Close the account for ``seconds`` in every process (a 429's Retry-After)."""
+        """Close the account for ``seconds`` in every process (a 429's Retry-After); this
+        process's own leased slots of the account are dropped at once."""
+        with self._lock:
+            self._leases.pop(account_id, None)
+            self._closed.pop(account_id, None)
         ms = max(1, int(seconds * 1000))
         return int(self._cooldown(keys=[self.key(account_id)], args=[ms])) / 1000.0

@@ -4,12 +4,13 @@
   ``{account}`` puts every key of one account in one Redis Cluster slot.
 * Release and renew are owner-checked Lua scripts: a lock that is no longer ours is
   never deleted or extended.
-* A watchdog thread renews at TTL/3. A renewal that finds the key gone or owned by
+* The process's renewer (one thread for every held lock, :mod:`.watchdog`) renews each
+  lock at TTL/3, all due locks in one round trip. A renewal that finds the key gone or owned by
   another token, or a Redis that stays unreachable until the local deadline (last
   successful renewal + TTL - safety margin), marks the lock lost; :meth:`ensure_held`
   raises :class:`LockLost` before any side effect.
 * A holder reports progress (:meth:`AccountLock.progress`); one that reported none for
-  ``max_stall`` seconds is blocked somewhere, and the watchdog stops renewing its lock
+  ``max_stall`` seconds is blocked somewhere, and the renewer stops renewing its lock
   (lost, ``stalled``), so the lock expires and another worker takes the account over
   behind the fence.
 * With a process :class:`~payment_worker.locks.liveness.Liveness`, the lock's value is
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +48,8 @@ from payment_worker.locks.liveness import (
     holder_of,
     lock_value,
 )
-from payment_worker.locks.watchdog import RENEW_LUA, StallRule, Watchdog, renewal_client
+from payment_worker.locks.watchdog import Lease, Renewer, StallRule, renewal_client
+from payment_worker.locks.watchdog import clock as _clock
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     LOCK_ACQUIRE_SECONDS,
@@ -64,20 +65,6 @@ log = get_logger("locks")
 
 # the default of REDIS_KEY_PREFIX, for callers that pass no prefix (tools, tests)
 DEFAULT_KEY_PREFIX = "pw"
-
-_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
-
-
-def _clock() -> float:
-    """Seconds on a clock that keeps counting while the process (or the host) is suspended.
-
-    CLOCK_MONOTONIC stops during a system suspend on Linux while the Redis TTL keeps
-    running; CLOCK_BOOTTIME does not stop, so the local deadline stays conservative.
-    """
-    if _BOOTTIME is not None:
-        return time.clock_gettime(_BOOTTIME)
-    return time.monotonic()
-
 
 # The scripts run with KEYS = [lock, waiter queue, waiter leases]; headers in the files.
 _RELEASE_LUA = lua.load("lock_release")
@@ -124,14 +111,17 @@ def _text(value: Any) -> str:
 
 
 class AccountLock:
-    """The lock of one account, with watchdog renewal, a lost-lock signal and fencing.
+    """The lock of one account, with renewal, a lost-lock signal and fencing.
 
     Use as a context manager (blocking up to ``wait_timeout``, raising
     :class:`LockNotAcquired`) or call :meth:`acquire` / :meth:`release`. Between them,
     call :meth:`ensure_held` before every side effect and carry :attr:`fence_token` in
     every state write, and :meth:`progress` whenever work gets done when ``max_stall`` is
     set. Redis clients should have a ``socket_timeout`` (a hung Redis then fails renewals
-    instead of blocking the watchdog); the local deadline protects the holder either way.
+    instead of blocking the renewer); the local deadline protects the holder either way.
+
+    ``renewer`` is the process's :class:`Renewer` (the Runtime's: one thread renews every
+    held lock); a lock built without one gets its own, whose thread ends with each release.
     """
 
     def __init__(
@@ -148,6 +138,7 @@ class AccountLock:
         on_lost: Callable[[str], None] | None = None,
         max_stall: float | None = None,
         liveness: Liveness | None = None,
+        renewer: Renewer | None = None,
     ) -> None:
         self.account_id = account_id
         self.ttl_ms = ttl_ms
@@ -167,13 +158,16 @@ class AccountLock:
         self._state = threading.Lock()
         self._token: str | None = None
         self._deadline = 0.0
-        self._watchdog: Watchdog | None = None
+        self._lease: Lease | None = None
         # LOCK_MAX_STALL_SECONDS: how long the holder may go without reporting progress
         self._stall = StallRule(max_stall, _clock)
         # renewals go through a no-retry client with a short socket timeout; the Runtime
-        # shares one per process, a lock built without one makes its own
-        renewer = renewal_redis if renewal_redis is not None else renewal_client(redis, ttl_ms)
-        self._renew = renewer.register_script(RENEW_LUA)
+        # shares one renewer (client and thread) per process, a lock built without one makes
+        # its own
+        if renewer is None:
+            client = renewal_redis if renewal_redis is not None else renewal_client(redis, ttl_ms)
+            renewer = Renewer(client, linger=0.0, name=f"lock-renewer-{account_id}")
+        self._renewer = renewer
         self._release = redis.register_script(_RELEASE_LUA)
         self._wait = redis.register_script(_WAIT_LUA)
         self._cancel = redis.register_script(_CANCEL_LUA)
@@ -190,7 +184,7 @@ class AccountLock:
         Non-blocking (the default, or ``timeout <= 0``): one ``SET NX PX``. Blocking:
         join the FIFO queue and wait up to ``timeout`` seconds (None: forever) for the
         holder's release to hand the lock over. On success one Postgres round trip
-        takes the fencing token and the watchdog starts; if that step fails the Redis
+        takes the fencing token and the lock joins the renewer; if that step fails the Redis
         lock is released and the error re-raised.
         """
         with self._state:
@@ -233,12 +227,7 @@ class AccountLock:
             raise
         with self._state:
             self.fence_token = fence
-            self._watchdog = Watchdog(
-                lambda: self._renew_tick(token),
-                self.ttl_ms / 3000,
-                name=f"lock-watchdog-{self.account_id}",
-            )
-            self._watchdog.start()
+            self._start_renewal(token)
         LOCK_ACQUIRE_SECONDS.labels("acquired").observe(_clock() - started)
         log.debug("lock_acquired", account_id=self.account_id, fence_token=fence)
         return True
@@ -329,53 +318,69 @@ class AccountLock:
 
     # --- holding ----------------------------------------------------------------------
 
-    def _renew_tick(self, token: str) -> float | None:
-        """One watchdog step: renew, or mark the lock lost (gone, stolen, unreachable, or
-        its holder stalled)."""
-        watchdog = self._watchdog
+    def _start_renewal(self, token: str) -> None:
+        """With ``_state`` held: register the lock with the renewer (first renewal at TTL/3)."""
+        lease = Lease(
+            self.key,
+            token,
+            self.ttl_ms,
+            check=lambda: self._before_renewal(token),
+            renewed=lambda answer, sent: self._renewed(token, answer, sent),
+            failed=lambda error: self._renew_failed(token, error),
+        )
+        self._lease = lease
+        self._renewer.add(lease)
+
+    def _before_renewal(self, token: str) -> bool:
+        """Before each renewal: False when the lock must not be renewed (released, lost, or
+        its holder stalled, which marks it lost here)."""
         if self._token != token or self.lost_reason is not None:
-            return None  # released, or lost: once lost, never renewed again
-        if watchdog is not None and watchdog.stopped:
-            return None
+            return False  # released, or lost: once lost, never renewed again
         silent = self._stall.stalled_for()
         if silent is not None:
             # no renewal: the key expires within one TTL and the account is free for a holder
             # that works; this one's writes are fenced out and ensure_held() stops its sends
             self._mark_lost(token, "stalled", silent_s=round(silent, 3))
-            return None
-        sent = _clock()
-        try:
-            result = self._renew(keys=[self.key], args=[token, self.ttl_ms])
-        except RedisError as exc:
-            LOCK_RENEWALS.labels("error").inc()
-            left = self._deadline - _clock()
-            log.warning(
-                "lock_renew_failed", account_id=self.account_id, error=str(exc), left_s=left
-            )
-            if left <= 0:
-                self._mark_lost(token, "unreachable")
-                return None
-            # try again soon, but no later than the next regular tick
-            return max(0.01, min(self.ttl_ms / 3000, left / 2))
-        if self._token != token or (watchdog is not None and watchdog.stopped):
-            return None  # released while the renewal was in flight
-        if result == 1:
+            return False
+        return True
+
+    def _renewed(self, token: str, answer: int, sent: float) -> bool:
+        """The renewal script answered (1 renewed, 0 gone, -1 stolen); False: stop renewing."""
+        if answer == 1:
             with self._state:
-                if self._token == token and self.lost_reason is None:
-                    self._deadline = sent + (self.ttl_ms - self.safety_margin_ms) / 1000
+                if self._token != token or self.lost_reason is not None:
+                    return False  # released or lost while the renewal was in flight
+                self._deadline = sent + (self.ttl_ms - self.safety_margin_ms) / 1000
             LOCK_RENEWALS.labels("ok").inc()
-            return self.ttl_ms / 3000
+            return True
+        if self._token != token:
+            return False  # released meanwhile: the answer is about the next owner's key
         LOCK_RENEWALS.labels("lost").inc()
-        self._mark_lost(token, "expired" if result == 0 else "stolen")
-        return None
+        self._mark_lost(token, "expired" if answer == 0 else "stolen")
+        return False
+
+    def _renew_failed(self, token: str, error: Exception) -> float | None:
+        """A renewal round trip failed: the delay to the next try, or None once the local
+        deadline has passed (lost, ``unreachable``). The renewer logs the failure once per
+        batch."""
+        if self._token != token or self.lost_reason is not None:
+            return None
+        LOCK_RENEWALS.labels("error").inc()
+        left = self._deadline - _clock()
+        if left <= 0:
+            self._mark_lost(token, "unreachable", error=str(error))
+            return None
+        # try again soon, but no later than the next regular tick
+        return max(0.01, min(self.ttl_ms / 3000, left / 2))
 
     def _mark_lost(self, token: str, reason: str, **detail: object) -> None:
         with self._state:
             if self._token != token or self.lost_reason is not None:
                 return
             self.lost_reason = reason
-            if self._watchdog is not None:
-                self._watchdog.stop()
+            lease = self._lease
+        if lease is not None:
+            self._renewer.remove(lease)
         LOCK_LOST.labels(reason).inc()
         log.warning(
             "lock_lost",
@@ -398,8 +403,8 @@ class AccountLock:
     def ensure_held(self) -> None:
         """Raise :class:`LockLost` unless the lock is still ours. No network round trip.
 
-        Reads what the watchdog found and checks the local deadline, so a holder that
-        was paused past its TTL stops even before the watchdog runs again.
+        Reads what the renewer found and checks the local deadline, so a holder that
+        was paused past its TTL stops even before the renewer runs again.
         """
         token = self._token
         if token is None:
@@ -432,7 +437,7 @@ class AccountLock:
     # --- release ----------------------------------------------------------------------
 
     def release(self) -> bool:
-        """Give the lock back: owner-checked, stops the watchdog at once, wakes one waiter.
+        """Give the lock back: owner-checked, stops its renewal at once, wakes one waiter.
 
         Returns True when the lock was ours and is now free or handed to the oldest
         waiter; False (logged and counted) when it was no longer ours, and False when
@@ -441,9 +446,9 @@ class AccountLock:
         with self._state:
             token = self._token
             self._token = None
-            watchdog, self._watchdog = self._watchdog, None
-        if watchdog is not None:
-            watchdog.stop()
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            self._renewer.remove(lease)
         if token is None:
             return False
         keys = [self.key, self._queue_key, self._waiters_key]

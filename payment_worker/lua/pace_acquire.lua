@@ -1,32 +1,37 @@
--- pace_acquire: take one request slot from the account's token bucket, on the server clock.
+-- pace_acquire: lease a block of request slots of the account, on the server clock.
 --
--- KEYS[1]  the bucket ({prefix}:pace:{acct}; hash tokens, ts, until)
+-- KEYS[1]  the account's pacing state ({prefix}:pace:{acct}; hash tat, until)
 -- ARGV[1]  rate, requests per second
--- ARGV[2]  burst, tokens
+-- ARGV[2]  the most slots to lease (1: one request)
+-- ARGV[3]  how far ahead (ms) the first slot may lie and still be leased now
 --
--- Returns 0 when a slot was taken, else the milliseconds to wait before asking again
--- (until a 429's cooldown ends, or until the next token).
+-- Slots are 1/rate apart on one timeline per account, shared by every process: `tat` is
+-- the first free slot. A lease takes `n` consecutive slots starting at max(now, tat) (and
+-- never before a 429's cooldown has ended plus one interval), so two leases never share a
+-- slot and the account never gets more than one request per interval, whoever leased.
+-- Returns {n, delay_ms}: `n` slots leased, the first `delay_ms` (a decimal string) from
+-- now, the others one interval apart; or {0, wait_ms} when the first free slot is further
+-- ahead than ARGV[3]: ask again then (a cooldown, or other processes' leases).
 -- #include now_ms
 local now = now_ms()
-local rate = tonumber(ARGV[1]) / 1000
-local burst = tonumber(ARGV[2])
-local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts', 'until')
-local tokens = tonumber(v[1]) or burst
-local ts = tonumber(v[2]) or now
-local untl = tonumber(v[3]) or 0
-if now < untl then
-  return untl - now
+local interval = 1000 / tonumber(ARGV[1])
+local want = tonumber(ARGV[2])
+local ahead = tonumber(ARGV[3])
+local v = redis.call('HMGET', KEYS[1], 'tat', 'until')
+local start = tonumber(v[1]) or now
+local untl = tonumber(v[2]) or 0
+if untl > 0 and start < untl + interval then
+  start = untl + interval
 end
-if now > ts then
-  tokens = math.min(burst, tokens + (now - ts) * rate)
-  ts = now
+if start < now then start = now end
+if start - now > ahead then
+  return {0, math.max(1, math.ceil(start - now - ahead))}
 end
-local ttl = math.ceil(burst / rate) + 1000
-if tokens >= 1 then
-  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'ts', tostring(ts))
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  return 0
+local tat = start + want * interval
+redis.call('HSET', KEYS[1], 'tat', string.format('%.3f', tat))
+local keep = math.ceil(math.max(tat, untl) - now) + 1000
+if redis.call('PTTL', KEYS[1]) < keep then
+  redis.call('PEXPIRE', KEYS[1], keep)
 end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(ts))
-redis.call('PEXPIRE', KEYS[1], ttl)
-return math.max(1, math.ceil((1 - tokens) / rate))
+-- a string: Redis would truncate a fractional number to an integer
+return {want, string.format('%.3f', start - now)}

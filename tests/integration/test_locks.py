@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 from payment_worker.db.engine import make_engine
 from payment_worker.errors import LockLost, LockNotAcquired
 from payment_worker.locks.account_lock import AccountLock, lock_is_held, lock_key
+from payment_worker.locks.watchdog import Renewer, renewal_client
 from payment_worker.redis_keys import RedisKeys
 from tests.conftest import PwEnv
 from tests.lock_helpers import TcpProxy
@@ -82,7 +83,7 @@ def test_release_of_a_lock_we_no_longer_own_deletes_nothing(
 ) -> None:
     a = make_lock(redis_client, engine, ttl_ms=300)
     assert a.acquire()
-    a._watchdog.stop()  # type: ignore[union-attr]  # let it expire, as after a long pause
+    a._renewer.remove(a._lease)  # type: ignore[arg-type]  # let it expire, as after a long pause
     time.sleep(0.4)
     b = make_lock(redis_client, engine, ttl_ms=5000)
     assert b.acquire()
@@ -94,18 +95,47 @@ def test_release_of_a_lock_we_no_longer_own_deletes_nothing(
     assert b.release()
 
 
-def test_release_stops_the_watchdog_at_once(redis_client: redis.Redis, engine: Engine) -> None:
+def test_release_stops_the_renewal_at_once(redis_client: redis.Redis, engine: Engine) -> None:
+    # a lock with its own renewer (built without the Runtime's): its thread ends with the release
     a = AccountLock(redis_client, ACCOUNT, engine=engine, ttl_ms=30_000)  # a tick every 10 s
     assert a.acquire()
-    watchdog = a._watchdog
-    assert watchdog is not None and watchdog.is_alive()
+    lease, thread = a._lease, a._renewer.thread
+    assert lease is not None and a._renewer.holds(lease)
+    assert thread is not None and thread.is_alive()
     t0 = time.monotonic()
     assert a.release()
     released_in = time.monotonic() - t0
-    watchdog.join(1.0)
-    assert not watchdog.is_alive()
+    assert not a._renewer.holds(lease)  # never renewed again, from the moment release returns
+    thread.join(1.0)
+    assert not thread.is_alive()
     assert time.monotonic() - t0 < 1.0
     assert released_in < 0.1
+
+
+def test_release_stops_the_renewal_of_a_shared_renewer(
+    redis_client: redis.Redis, engine: Engine
+) -> None:
+    renewer = Renewer(renewal_client(redis_client, 300))
+    a = make_lock(redis_client, engine, ttl_ms=300, renewer=renewer)
+    other = AccountLock(
+        redis_client, "acct-8", engine=engine, ttl_ms=300, safety_margin_ms=100, renewer=renewer
+    )
+    try:
+        assert a.acquire() and other.acquire()
+        time.sleep(0.25)  # a renewal or two
+        assert a.release()
+        sent = renewer.renewals
+        time.sleep(0.5)  # five intervals: only the other lock is renewed
+        assert renewer.renewals - sent <= 6
+        assert renewer.renewals - sent >= 3
+        assert not lock_is_held(redis_client, ACCOUNT)
+        other.ensure_held()
+        assert other.release()
+        sent = renewer.renewals
+        time.sleep(0.3)
+        assert renewer.renewals == sent  # nothing held: nothing sent
+    finally:
+        renewer.close()
 
 
 def test_renewal_keeps_the_lock_for_ten_ttls(redis_client: redis.Redis, engine: Engine) -> None:
@@ -234,7 +264,7 @@ def test_ensure_held_checks_the_deadline_without_the_watchdog(
 ) -> None:
     a = make_lock(redis_client, engine, ttl_ms=300)
     assert a.acquire()
-    a._watchdog.stop()  # type: ignore[union-attr]  # as if the process had been paused
+    a._renewer.remove(a._lease)  # type: ignore[arg-type]  # as if the process had been paused
     time.sleep(0.25)  # past TTL - margin, before the key expires
     with pytest.raises(LockLost):
         a.ensure_held()

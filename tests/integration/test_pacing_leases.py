@@ -1,0 +1,170 @@
+"""Pacing slots leased in blocks (gateway/pacing.py): the quota holds across real processes.
+
+Three processes of two threads each send payments of one account for two seconds against
+the simulator (real Redis, real HTTP). The moments the requests are let go, on the
+machine's shared monotonic clock, never exceed the quota: at most ``rate x L + 2``
+requests in any span of ``L`` seconds (one script per request allows ``rate x L + 1``), and
+the simulator, which enforces the same quota, answers no 429. No process is starved, and
+leasing blocks takes several times fewer pacing scripts per request (counted by the
+processes and by the Redis server) than one script per request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import redis
+
+from payment_worker.gateway.pacing import Pacer
+from tests.conftest import ROOT, PwEnv
+from tests.sim_fixtures import SimHandle
+
+ACCOUNT = "acct-lease"
+RATE = 50.0
+SECONDS = 2.0
+PROCESSES = 3
+
+
+def _most_in_any_span(times: list[float], span: float) -> int:
+    """The largest number of ``times`` inside one closed interval of length ``span``."""
+    times = sorted(times)
+    return max(bisect.bisect_right(times, t + span) - i for i, t in enumerate(times))
+
+
+def _run(lease_seconds: float, processes: int, threads: int) -> list[dict[str, Any]]:
+    env = dict(
+        os.environ,
+        GATEWAY_RATE_PER_SECOND=str(RATE),
+        GATEWAY_PACING_LEASE_SECONDS=str(lease_seconds),
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-m", "tests.pacing_helpers", "--account", ACCOUNT),
+                *("--name", f"l{lease_seconds}-p{n}", "--seconds", str(SECONDS)),
+                *("--threads", str(threads)),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(processes)
+    ]
+    # all up, each with its token: then go together
+    for proc in procs:
+        assert proc.stdout is not None
+        while (line := proc.stdout.readline()) and line.strip() != "ready":
+            pass  # its log lines
+        assert line, proc.stderr.read() if proc.stderr else ""
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def _evalsha(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def _outcomes(results: list[dict[str, Any]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for r in results:
+        for k, v in r["outcomes"].items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def test_the_quota_holds_across_processes(
+    pw_env: PwEnv, gateway_sim: SimHandle, redis_client: redis.Redis
+) -> None:
+    # the processes are not coordinated by an account lock: let requests overlap
+    gateway_sim.configure(rate=RATE, max_in_flight=10)
+    results = _run(0.1, PROCESSES, 2)
+    sent = [t for r in results for t in r["sent"]]
+    assert sent, results
+    n = len(sent)
+    spans = {span: _most_in_any_span(sent, span) for span in (0.1, 0.25, 1.0)}
+    print(
+        f"\n{PROCESSES} processes x 2 threads, blocks of {int(RATE * 0.1)}: {n} requests,"
+        f" per process {[len(r['sent']) for r in results]}, most in any span {spans}"
+    )
+    # the quota: never more than one request per interval, whichever process sent it
+    for span, most in spans.items():
+        assert most <= RATE * span + 2, (span, most)
+    ledger = gateway_sim.ledger()
+    assert ledger["http_429_by_cause"]["rate"] == 0, ledger["http_429_by_cause"]
+    assert set(_outcomes(results)) == {"succeeded:201"}, _outcomes(results)
+    # nobody starves: each process gets a fair part
+    for r in results:
+        assert len(r["sent"]) >= 0.1 * n, [len(x["sent"]) for x in results]
+
+
+def test_one_holder_runs_a_fraction_of_the_scripts(
+    pw_env: PwEnv, gateway_sim: SimHandle, redis_client: redis.Redis
+) -> None:
+    """The production shape: the account lock gives the account to one thread at a time."""
+    gateway_sim.configure(rate=RATE)
+    per_request: dict[float, tuple[float, float]] = {}
+    for lease_seconds in (0.0, 0.1):
+        gateway_sim.reset()
+        gateway_sim.configure(rate=RATE)
+        before = _evalsha(redis_client)
+        [result] = _run(lease_seconds, 1, 1)
+        evalsha = _evalsha(redis_client) - before
+        n = len(result["sent"])
+        assert n > 0 and set(result["outcomes"]) == {"succeeded:201"}, result["outcomes"]
+        assert _most_in_any_span(result["sent"], 1.0) <= RATE + 2
+        assert gateway_sim.ledger()["http_429_by_cause"]["rate"] == 0
+        per_request[lease_seconds] = (result["scripts"] / n, evalsha / n)
+        print(
+            f"\nlease {lease_seconds}s, one thread: {n} requests, pacing scripts/request"
+            f" {result['scripts'] / n:.2f}, EVALSHA/request at the server {evalsha / n:.2f}"
+        )
+    assert per_request[0.0][0] >= 1.0  # one script per request
+    # blocks of up to 5 (2, 4, then 5): about a fifth of a script per request
+    assert per_request[0.1][0] <= 0.35, per_request
+    assert per_request[0.1][1] <= per_request[0.0][1] - 0.6, per_request  # the server agrees
+
+
+def test_a_cooldown_drops_the_own_lease_and_another_process_lease_runs_out(
+    redis_client: redis.Redis,
+) -> None:
+    rate = 100.0  # blocks of 10 slots, 10 ms apart: a window of 100 ms
+    mine = Pacer(redis_client, "pw", lease_seconds=0.1)
+    # a 429 seen by this process: recording the cooldown drops its own lease at once
+    assert mine.acquire("acct-own", rate, max_wait=1.0).acquired  # 9 slots left
+    mine.cooldown("acct-own", 0.3)
+    t0 = time.monotonic()
+    assert mine.acquire("acct-own", rate, max_wait=2.0).acquired
+    assert time.monotonic() - t0 >= 0.3  # not the next leased slot 10 ms later
+
+    # a 429 seen by another process: this one's lease is not recalled, but it ends with its
+    # window (at most 10 slots, within 100 ms), then nothing before the cooldown's end
+    other = Pacer(redis_client, "pw", lease_seconds=0.1)
+    assert other.acquire(ACCOUNT, rate, max_wait=1.0).acquired
+    leased_at = time.monotonic()
+    mine.cooldown(ACCOUNT, 0.5)
+    cooled_at = time.monotonic()
+    taken = [leased_at]
+    while taken[-1] < cooled_at + 0.4:
+        assert other.acquire(ACCOUNT, rate, max_wait=2.0).acquired
+        taken.append(time.monotonic())
+    during = [t for t in taken if t < cooled_at + 0.5]
+    assert len(during) <= 10  # its block, no more
+    assert all(t - leased_at <= 0.1 + 0.05 for t in during)  # within its window (+ slack)
+    assert taken[-1] >= cooled_at + 0.5  # then Retry-After holds for it too
