@@ -152,11 +152,14 @@ class Sampler(threading.Thread):
     Its Postgres connection is to the ``postgres`` database, so its statements never count
     in the scratch database's transactions."""
 
-    def __init__(self, cluster: Any, admin_url: str, interval: float = 0.2) -> None:
+    def __init__(self, cluster: Any, admin_url: str, broker: Any, interval: float = 0.2) -> None:
         super().__init__(daemon=True)
         self.cluster, self.admin_url, self.interval = cluster, admin_url, interval
+        self.broker = broker
         self.stop_event = threading.Event()
         self.in_flight: list[int] = []
+        self.queued: list[int] = []  # messages waiting in the payments queue
+        self.redis_calls = 0  # the sampler's own commands, taken off the count per item
         self.pg_peak: dict[str, int] = {}
         self.rss_peak: dict[int, int] = {}
         self.threads_peak: dict[int, int] = {}
@@ -172,6 +175,8 @@ class Sampler(threading.Thread):
                     self.in_flight.append(int(got["now"]))
                 except httpx.HTTPError:
                     pass
+                self.queued.append(int(self.broker.llen("payments")))
+                self.redis_calls += 1
                 rows = conn.execute(
                     "SELECT application_name, count(*) FROM pg_stat_activity "
                     "WHERE application_name LIKE %s GROUP BY 1",
@@ -252,7 +257,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
             cluster.env["PGAPPNAME"] = f"{APP_NAME}{i + 1}"  # libpq's application_name
             cluster.start_worker()
         _wait_ready(ports)
-        sampler = Sampler(cluster, with_path(db_url, "/postgres"))
+        broker = redis.Redis.from_url(r_broker)
+        sampler = Sampler(cluster, with_path(db_url, "/postgres"), broker)
         with psycopg.connect(db_url, autocommit=True) as conn:
             x0, c0 = _xacts(conn), _redis_calls(r)
             cpu0 = _cpu_by_component(cluster)
@@ -260,6 +266,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
             t0 = time.monotonic()
             for b in batches:
                 enqueue_batch(b["batch_id"])
+            enqueue_s = time.monotonic() - t0
             polls = 0
             while True:
                 polls += 1
@@ -275,7 +282,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 time.sleep(0.05)
             elapsed = time.monotonic() - t0
             sampler.stop()
-            c1 = _redis_calls(r)
+            c1 = _redis_calls(r) - sampler.redis_calls - 1
             cpu1 = _cpu_by_component(cluster)
             time.sleep(1.2)  # PostgreSQL publishes backend statistics at most once a second
             x1 = _xacts(conn) - polls - 1
@@ -296,6 +303,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         "items_per_s": total / elapsed,
         "in_flight_peak": int(peak_in_flight),
         "in_flight_median": statistics.median(sampler.in_flight) if sampler.in_flight else 0,
+        "enqueue_s": enqueue_s,
+        "queued_median": statistics.median(sampler.queued) if sampler.queued else 0,
         "rss_mb": max(sampler.rss_peak.values(), default=0) / 1024,
         "threads": max(sampler.threads_peak.values(), default=0),
         "pg_conns": max(sampler.pg_peak.values(), default=0),
@@ -372,6 +381,9 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
         + "; ".join(
             f"{r['num']}: {r['execs_per_batch']:.2f} ({r['wasted_per_batch']:.2f})" for r in rows
         )
+        + ". Seconds to enqueue every batch, and messages waiting in the queue (median of "
+        + "samples): "
+        + "; ".join(f"{r['num']}: {r['enqueue_s']:.1f} s, {r['queued_median']:,.0f}" for r in rows)
         + "."
     )
     return "\n".join(lines)
