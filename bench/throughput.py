@@ -96,27 +96,49 @@ def _cpu_seconds(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def _pids_named(fragment: str) -> list[int]:
-    out = []
+def _cmdlines() -> dict[int, str]:
+    out = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if fragment in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    out.append(int(d.name))
+                out[int(d.name)] = (
+                    (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
             except OSError:
                 continue
     return out
 
 
-def _cpu_by_component(cluster: Any) -> dict[str, float]:
-    workers = [p for w in cluster.workers() for p in _tree(w.pid)]
-    sim = [p.pid for p in cluster.processes if p.name == "gateway-sim"]
-    return {
-        "worker": sum(_cpu_seconds(p) for p in workers),
-        "sim": sum(_cpu_seconds(p) for p in sim),
-        "postgres": sum(_cpu_seconds(p) for p in _pids_named("postgres")),
-        "redis": sum(_cpu_seconds(p) for p in _pids_named("redis-server")),
+def server_pids(db_url: str, redis_url: str) -> dict[str, list[int]]:
+    """PostgreSQL and Redis processes of the servers this run uses, when they can be told
+    apart from other servers on the machine (the embedded ones: PostgreSQL by its socket
+    directory, Redis by its port); else every process of that kind."""
+    from urllib.parse import parse_qs, urlsplit
+
+    cmds = _cmdlines()
+    pg_all = [p for p, c in cmds.items() if "postgres" in c.split(" ", 1)[0]]
+    parts = urlsplit(db_url)
+    sock = parse_qs(parts.query).get("host", [""])[0] or parts.hostname or ""
+    masters = [p for p in pg_all if sock.startswith("/") and f"-D {sock}" in cmds[p]]
+    pg = [q for m in masters for q in _tree(m)] if masters else pg_all
+    r_all = [p for p, c in cmds.items() if "redis-server" in c]
+    r_port = urlsplit(redis_url).port
+    ours = [p for p in r_all if r_port and f":{r_port}" in cmds[p]]
+    return {"postgres": pg, "redis": ours or r_all}
+
+
+def _cpu_by_component(cluster: Any, servers: dict[str, list[int]]) -> dict[str, dict[int, float]]:
+    """CPU seconds by process kind and pid (a pid gone by the end is left out of the delta)."""
+    procs = {
+        "worker": [p for w in cluster.workers() for p in _tree(w.pid)],
+        "sim": [p.pid for p in cluster.processes if p.name == "gateway-sim"],
+        **servers,
     }
+    return {kind: {p: _cpu_seconds(p) for p in pids} for kind, pids in procs.items()}
+
+
+def _cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    return sum(t - before.get(p, 0.0) for p, t in after.items())
 
 
 def _redis_calls(r: Any) -> int:
@@ -261,7 +283,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         sampler = Sampler(cluster, with_path(db_url, "/postgres"), broker)
         with psycopg.connect(db_url, autocommit=True) as conn:
             x0, c0 = _xacts(conn), _redis_calls(r)
-            cpu0 = _cpu_by_component(cluster)
+            servers = server_pids(db_url, r_app)
+            cpu0 = _cpu_by_component(cluster, servers)
             sampler.start()
             t0 = time.monotonic()
             for b in batches:
@@ -283,7 +306,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
             elapsed = time.monotonic() - t0
             sampler.stop()
             c1 = _redis_calls(r) - sampler.redis_calls - 1
-            cpu1 = _cpu_by_component(cluster)
+            servers = server_pids(db_url, r_app)  # backends started during the run included
+            cpu1 = _cpu_by_component(cluster, servers)
             time.sleep(1.2)  # PostgreSQL publishes backend statistics at most once a second
             x1 = _xacts(conn) - polls - 1
         execs: dict[str, float] = {}
@@ -316,8 +340,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         else float("nan"),
         "double": len(ledger.get("double_payments", [])),
         "http_429": ledger.get("http_429_by_cause", {}),
-        # CPU microseconds per item, by process kind (postgres/redis: every such process here)
-        "cpu_us": {k: 1e6 * (cpu1[k] - cpu0[k]) / total for k in cpu0},
+        # CPU microseconds per item, by process kind
+        "cpu_us": {k: 1e6 * _cpu_delta(cpu0[k], cpu1[k]) / total for k in cpu0},
     }
 
 
