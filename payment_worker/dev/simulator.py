@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import resource
 import signal
 import socket
 import struct
@@ -407,8 +409,18 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return cfg
 
 
+def raise_open_files_limit() -> None:
+    """Raise the soft limit of open files to the hard one: every request in flight holds a
+    socket, and a fleet holding thousands of accounts at 1 s latency needs thousands."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def serve(host: str, port: int, config: SimConfig, seed: int | None = None) -> None:
     """Serve until SIGTERM or SIGINT; prints the ready line once listening."""
+    raise_open_files_limit()
     runner = web.AppRunner(build_app(config, seed), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024, shutdown_timeout=1.0)
