@@ -54,6 +54,22 @@ SCENARIOS: dict[int, dict[str, Any]] = {
     5: {"name": "1 s latency", "accounts": 2000, "batches": 2000, "items": 5, "latency_ms": 1000},
 }
 APP_NAME = "pw-bench-w"  # PGAPPNAME prefix of the workers' connections
+APP_PREFIX = "payment-worker:"  # or the service's own application_name, payment-worker:<pid>@host
+
+
+def _conns_by_worker(rows: list[tuple[str, int]], workers: list[Any]) -> dict[str, int]:
+    """Connections per worker process from (application_name, count) rows: our PGAPPNAME
+    (pw-bench-wN), or the service's own name, whose pid is the worker's or one of its
+    children's (prefork)."""
+    owner = {p: f"{APP_NAME}{i + 1}" for i, w in enumerate(workers) for p in _tree(w.pid)}
+    out: dict[str, int] = {}
+    for name, n in rows:
+        if name.startswith(APP_PREFIX):
+            pid = name[len(APP_PREFIX) :].split("@", 1)[0]
+            name = owner.get(int(pid), "") if pid.isdigit() else ""
+        if name:
+            out[name] = out.get(name, 0) + int(n)
+    return out
 
 
 def _proc_status(pid: int, field: str) -> int:
@@ -201,11 +217,11 @@ class Sampler(threading.Thread):
                 self.redis_calls += 1
                 rows = conn.execute(
                     "SELECT application_name, count(*) FROM pg_stat_activity "
-                    "WHERE application_name LIKE %s GROUP BY 1",
-                    (APP_NAME + "%",),
+                    "WHERE application_name LIKE %s OR application_name LIKE %s GROUP BY 1",
+                    (APP_NAME + "%", APP_PREFIX + "%"),
                 ).fetchall()
-                for name, n in rows:
-                    self.pg_peak[name] = max(self.pg_peak.get(name, 0), int(n))
+                for worker, n in _conns_by_worker(rows, self.cluster.workers()).items():
+                    self.pg_peak[worker] = max(self.pg_peak.get(worker, 0), n)
                 for w in self.cluster.workers():
                     self.rss_peak[w.pid] = max(self.rss_peak.get(w.pid, 0), _rss_kb(w.pid))
                     self.threads_peak[w.pid] = max(self.threads_peak.get(w.pid, 0), _threads(w.pid))
