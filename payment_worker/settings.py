@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -23,6 +24,10 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from payment_worker.ops.redaction import mask_url
+
+# threads per worker process when WORKER_CONCURRENCY is unset: enough accounts in flight for
+# a gateway that answers in about a second (measured, docs/benchmarks.md, issue 13)
+THREADS_CONCURRENCY = 500
 
 _PG_SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
 _REDIS_SCHEMES = {"redis", "rediss", "unix"}
@@ -163,6 +168,15 @@ class Settings(BaseSettings):
     drain_max_seconds: float = Field(10.0, gt=0)
 
     # --- celery -------------------------------------------------------------------------
+    # Celery's pool and task slots per worker process, so the plain `celery -A payment_worker
+    # worker` is the fast recipe (issue 13; -P/-c on the command line still win). Threads: a
+    # slot mostly waits on the gateway, and one process holds hundreds of accounts in flight.
+    # gevent/eventlet are refused here: Celery monkey-patches only for -P on the command line
+    # (docs/configuration.md, "Worker pool").
+    worker_pool: Literal["threads", "prefork", "solo"] = "threads"
+    # unset: THREADS_CONCURRENCY for threads, the CPU count for prefork (a process per slot),
+    # 1 for solo
+    worker_concurrency: int | None = Field(None, ge=1, le=10_000)
     visibility_timeout: int = Field(3600, gt=0)
     task_soft_time_limit: int = Field(1500, gt=0)
     task_time_limit: int = Field(1800, gt=0)
@@ -242,6 +256,16 @@ class Settings(BaseSettings):
             raise ValueError(f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {v!r}")
         return v.upper()
 
+    @field_validator("worker_pool", mode="before")
+    @classmethod
+    def _worker_pool(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() in ("gevent", "eventlet"):
+            raise ValueError(
+                f"{v.strip()} needs `-P {v.strip().lower()}` on the celery command line "
+                "(Celery monkey-patches only then); WORKER_POOL takes threads, prefork or solo"
+            )
+        return v.strip().lower() if isinstance(v, str) else v
+
     @field_validator("gateway_rate_overrides", mode="before")
     @classmethod
     def _overrides(cls, v: Any) -> Any:
@@ -309,6 +333,17 @@ class Settings(BaseSettings):
         another worker's: the refresh lock's TTL, one request + 1 s, plus 2 s) and pacing."""
         per_call = self.gateway_connect_timeout + self.gateway_read_timeout
         return self.gateway_pacing_max_wait + 2 * per_call + 3.0
+
+    @property
+    def concurrency(self) -> int:
+        """Task slots per worker process: ``WORKER_CONCURRENCY``, else the pool's default."""
+        if self.worker_concurrency is not None:
+            return self.worker_concurrency
+        if self.worker_pool == "threads":
+            return THREADS_CONCURRENCY
+        if self.worker_pool == "prefork":
+            return os.cpu_count() or 1
+        return 1
 
     @property
     def home(self) -> Path:

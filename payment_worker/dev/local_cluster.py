@@ -100,12 +100,16 @@ class ManagedProcess:
 
 @dataclass
 class LocalCluster:
-    """Simulator + workers + beat on this machine, sharing one environment."""
+    """Simulator + workers + beat on this machine, sharing one environment.
+
+    ``pool``/``concurrency`` None: no ``-P``/``-c`` flag, the plain command (the settings'
+    ``WORKER_POOL``/``WORKER_CONCURRENCY`` decide).
+    """
 
     workdir: Path
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    concurrency: int = 8
-    pool: str = "threads"
+    concurrency: int | None = 8
+    pool: str | None = "threads"
     processes: list[ManagedProcess] = field(default_factory=list)
     sim_url: str | None = None
     _counter: int = 0
@@ -161,6 +165,7 @@ class LocalCluster:
         """Start one ``celery -A payment_worker worker`` process."""
         self._counter += 1
         name = f"worker{self._counter}"
+        slots = concurrency or self.concurrency
         argv = [
             sys.executable,
             "-m",
@@ -170,10 +175,8 @@ class LocalCluster:
             "worker",
             "-Q",
             "payments,dlq",
-            "-P",
-            self.pool,
-            "-c",
-            str(concurrency or self.concurrency),
+            *(["-P", self.pool] if self.pool else []),
+            *(["-c", str(slots)] if slots else []),
             "-n",
             f"{name}@%h",
             "--without-gossip",

@@ -16,15 +16,17 @@ the account number in a ``message`` (what the worker must mask). A ``bank_code``
 
 Control endpoints (not part of the protocol): ``GET /_sim/ledger``, ``POST /_sim/config``,
 ``POST /_sim/reset``, ``POST /_sim/script``, ``GET /_sim/requests?account_id=[&since=]``,
-``GET /_sim/health``. See docs/gateway.md.
+``GET /_sim/in_flight``, ``GET /_sim/health``. See docs/gateway.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import resource
 import signal
 import socket
 import struct
@@ -93,8 +95,12 @@ async def token(request: web.Request) -> web.Response:
     if not isinstance(client_id, str) or not client_id:
         return _respond(_bad("client_id must be the account id"))
     entry: list[Any] = [round(st.now(), 6), "token", 0]
-    st.account(client_id).log.append(entry)
-    ans = await _token(st, client_id, body.get("client_secret"))
+    acct = st.begin(client_id)
+    acct.log.append(entry)
+    try:
+        ans = await _token(st, client_id, body.get("client_secret"))
+    finally:
+        st.end(client_id, acct)
     entry[2] = ans.status
     st.ledger.statuses[str(ans.status)] += 1
     return _respond(ans)
@@ -144,20 +150,26 @@ async def _account_call(request: web.Request, endpoint: str, inner: Inner) -> we
     await request.read()
     st.ledger.requests[endpoint] += 1
     entry: list[Any] = [round(st.now(), 6), endpoint, 0]
-    st.account(account_id).log.append(entry)
-    # an account in an outage answers before anything else (its backend is down), so it
-    # neither checks tokens nor spends the account's rate or in-flight allowance
-    ans = outage_answer(st, account_id) or await _guarded(request, st, account_id, endpoint, inner)
-    entry[2] = ans.after if ans.after in RESET_AFTER else ans.status
-    st.ledger.statuses[str(entry[2])] += 1
-    if ans.status == 401:
-        st.ledger.http_401 += 1
-    if ans.after == "slow":
-        await asyncio.sleep(st.config.slow_seconds)
-    elif ans.after in RESET_AFTER:
-        _reset_connection(request)
-        return web.Response(status=204)  # never written: the connection is gone
-    return _respond(ans)
+    acct = st.begin(account_id)
+    acct.log.append(entry)
+    try:
+        # an account in an outage answers before anything else (its backend is down), so it
+        # neither checks tokens nor spends the account's rate or in-flight allowance
+        ans = outage_answer(st, account_id) or await _guarded(
+            request, st, account_id, endpoint, inner
+        )
+        entry[2] = ans.after if ans.after in RESET_AFTER else ans.status
+        st.ledger.statuses[str(entry[2])] += 1
+        if ans.status == 401:
+            st.ledger.http_401 += 1
+        if ans.after == "slow":
+            await asyncio.sleep(st.config.slow_seconds)
+        elif ans.after in RESET_AFTER:
+            _reset_connection(request)
+            return web.Response(status=204)  # never written: the connection is gone
+        return _respond(ans)
+    finally:
+        st.end(account_id, acct)
 
 
 async def _guarded(
@@ -254,6 +266,8 @@ async def sim_ledger(request: web.Request) -> web.Response:
     st = request.app[STATE]
     out = st.ledger.as_dict(st.accounts)
     out["holds_pending"] = st.holds_pending()
+    out["accounts_in_flight"] = st.accounts_in_flight
+    out["max_accounts_in_flight"] = st.max_accounts_in_flight
     out["config"] = st.config.as_dict()
     return web.json_response(out)
 
@@ -326,6 +340,15 @@ async def sim_requests(request: web.Request) -> web.Response:
     return web.json_response({"now": st.now(), "requests": log})
 
 
+async def sim_in_flight(request: web.Request) -> web.Response:
+    """``GET /_sim/in_flight``: accounts with a request in progress, now and at most (cheap
+    enough to poll while a benchmark runs, unlike the ledger)."""
+    st = request.app[STATE]
+    return web.json_response(
+        {"now": st.accounts_in_flight, "max": st.max_accounts_in_flight, "t": st.now()}
+    )
+
+
 async def sim_health(_: web.Request) -> web.Response:
     """``GET /_sim/health``."""
     return web.json_response({"ok": True})
@@ -343,6 +366,7 @@ def build_app(config: SimConfig, seed: int | None = None) -> web.Application:
     app.router.add_post("/_sim/reset", sim_reset)
     app.router.add_post("/_sim/script", sim_script)
     app.router.add_get("/_sim/requests", sim_requests)
+    app.router.add_get("/_sim/in_flight", sim_in_flight)
     app.router.add_get("/_sim/health", sim_health)
     return app
 
@@ -400,8 +424,18 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return cfg
 
 
+def raise_open_files_limit() -> None:
+    """Raise the soft limit of open files to the hard one: every request in flight holds a
+    socket, and a fleet holding thousands of accounts at 1 s latency needs thousands."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def serve(host: str, port: int, config: SimConfig, seed: int | None = None) -> None:
     """Serve until SIGTERM or SIGINT; prints the ready line once listening."""
+    raise_open_files_limit()
     runner = web.AppRunner(build_app(config, seed), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024, shutdown_timeout=1.0)

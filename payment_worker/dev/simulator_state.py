@@ -117,6 +117,7 @@ class Account:
     script: deque[dict[str, Any]] = field(default_factory=deque)
     log: deque[list[Any]] = field(default_factory=lambda: deque(maxlen=5000))
     outage_until: float = 0.0  # monotonic time until which the account answers 503
+    active: int = 0  # requests of any endpoint (token included) in progress right now
 
 
 @dataclass
@@ -181,6 +182,26 @@ class SimState:
         self.stored: dict[tuple[str, str], Stored] = {}
         self.ledger = Ledger()
         self._seq = 0
+        # distinct accounts with a request in progress (any endpoint), now and at most since
+        # the reset: how many accounts a worker fleet really holds in flight at once
+        self.accounts_in_flight = 0
+        self.max_accounts_in_flight = 0
+
+    def begin(self, account_id: str) -> Account:
+        """A request of the account starts (pair with :meth:`end`)."""
+        acct = self.account(account_id)
+        acct.active += 1
+        if acct.active == 1:
+            self.accounts_in_flight += 1
+            self.max_accounts_in_flight = max(self.max_accounts_in_flight, self.accounts_in_flight)
+        return acct
+
+    def end(self, account_id: str, acct: Account) -> None:
+        """A request that :meth:`begin` counted is over (answered or dropped)."""
+        acct.active -= 1
+        # a request that started before a reset belongs to the forgotten accounts
+        if acct.active == 0 and self.accounts.get(account_id) is acct:
+            self.accounts_in_flight -= 1
 
     def account(self, account_id: str) -> Account:
         """The state of an account, created on first sight."""

@@ -16,6 +16,14 @@ def build_config(s: Settings, broker_url: str) -> dict[str, Any]:
     """The Celery settings of the service, for the broker at ``broker_url``."""
     return {
         "broker_url": broker_url,
+        # The plain `celery -A payment_worker worker` is the recommended command: pool and task
+        # slots come from WORKER_POOL / WORKER_CONCURRENCY (threads at high concurrency by
+        # default: a slot mostly waits on the gateway). -c on the command line wins, and so does
+        # -P, except `-P prefork`, which Celery cannot tell from its own default (set
+        # WORKER_POOL=prefork instead). Which settings below apply to which pool:
+        # docs/configuration.md, "Worker pool".
+        "worker_pool": s.worker_pool,
+        "worker_concurrency": s.concurrency,
         # Postgres is the source of truth for outcomes; Celery results would only be a second copy.
         "task_ignore_result": True,
         "result_backend": None,
@@ -24,7 +32,8 @@ def build_config(s: Settings, broker_url: str) -> dict[str, Any]:
         "task_acks_late": True,
         # A child killed by SIGKILL/OOM must requeue its message, not ack it as failed.
         "task_reject_on_worker_lost": True,
-        # One message reserved per process: a slow batch never hides others behind it.
+        # One message reserved per task slot (multiplier x concurrency): a slow batch never hides
+        # others behind it.
         "worker_prefetch_multiplier": 1,
         # The Redis transport redelivers an unacked message after the visibility timeout. It must be
         # larger than the longest task and any countdown/ETA, or a running or delayed batch would be
@@ -37,7 +46,9 @@ def build_config(s: Settings, broker_url: str) -> dict[str, Any]:
         },
         "result_backend_transport_options": {"visibility_timeout": s.visibility_timeout},
         # Hard limits below the visibility timeout: a stuck task is killed (and its message rejected
-        # and redelivered) before the broker would redeliver it behind its back.
+        # and redelivered) before the broker would redeliver it behind its back. Enforced by the
+        # prefork pool only (threads and solo ignore them): there, a holder blocked anywhere is
+        # given up by its watchdog after LOCK_MAX_STALL_SECONDS (docs/processing.md).
         "task_time_limit": s.task_time_limit,
         "task_soft_time_limit": s.task_soft_time_limit,
         # On a lost broker connection, cancel running acks_late tasks: their messages will be

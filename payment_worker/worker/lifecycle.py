@@ -5,10 +5,10 @@ Celery imports this module in every worker (it is in the app's ``include`` list)
 connects the receivers below; they start a :class:`~payment_worker.worker.sweeper.SweeperThread`
 in each process that runs tasks and stop it at shutdown:
 
-* prefork (the default pool): in each forked child (``worker_process_init``), never in the
+* prefork (WORKER_POOL=prefork): in each forked child (``worker_process_init``), never in the
   parent, which forks new children all along (``worker_max_tasks_per_child``) and must not
   fork with a thread of its own inside a database or Redis call;
-* threads and solo pools: in the worker process itself, once its pool has started
+* threads (the default pool) and solo: in the worker process itself, once its pool has started
   (``worker_ready``; solo already sends ``worker_process_init`` in-process).
 
 Why a thread and not a message: see :mod:`payment_worker.worker.sweeper` and the Sweeper

@@ -34,7 +34,9 @@ print("ready", flush=True)
 sys.stdin.readline()
 result = submit_batch(batch)
 layers = {
-    layer: REGISTRY.get_sample_value("payment_worker_submit_duplicates_total", {"layer": layer}) or 0
+    layer: REGISTRY.get_sample_value(
+        "payment_worker_submit_duplicates_total", {"layer": layer}
+    ) or 0
     for layer in ("redis", "postgres")
 }
 print(json.dumps({"status": result.status, "layers": layers}), flush=True)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
-from payment_worker.settings import Settings
+import pytest
+
+from payment_worker.settings import THREADS_CONCURRENCY, Settings
 from payment_worker.worker.celery_config import build_config
 
 BROKER = "redis://127.0.0.1:1/0"  # never connected to: building the config starts no server
@@ -25,6 +28,69 @@ def test_reliability_settings() -> None:
     assert s.retry_max_delay < vt
     assert {q.name for q in c["task_queues"]} == {"payments", "dlq"}
     assert c["broker_url"] == BROKER
+
+
+def test_plain_command_runs_threads_at_high_concurrency() -> None:
+    # issue 13: `celery -A payment_worker worker` with no flag is the fast recipe
+    c = build_config(Settings(redis_url=BROKER), BROKER)
+    assert c["worker_pool"] == "threads"
+    assert c["worker_concurrency"] == THREADS_CONCURRENCY >= 500
+
+
+@pytest.mark.parametrize(
+    ("pool", "concurrency", "expected"),
+    [
+        ("prefork", None, os.cpu_count() or 1),  # a process per slot: never 500 of them
+        ("solo", None, 1),
+        ("threads", "64", 64),
+        ("PREFORK", "3", 3),
+    ],
+)
+def test_pool_and_concurrency_from_settings(
+    monkeypatch: pytest.MonkeyPatch, pool: str, concurrency: str | None, expected: int
+) -> None:
+    monkeypatch.setenv("WORKER_POOL", pool)
+    if concurrency is None:
+        monkeypatch.delenv("WORKER_CONCURRENCY", raising=False)
+    else:
+        monkeypatch.setenv("WORKER_CONCURRENCY", concurrency)
+    c = build_config(Settings(redis_url=BROKER), BROKER)
+    assert c["worker_pool"] == pool.lower()
+    assert c["worker_concurrency"] == expected
+
+
+def _start_worker(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    dummy = {
+        "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
+        "REDIS_URL": "redis://127.0.0.1:1/0",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "payment_worker", "worker"],
+        env={**base, **dummy, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "why"),
+    [
+        ("WORKER_POOL", "gevent", "-P gevent"),
+        ("WORKER_POOL", "eventlet", "-P eventlet"),
+        ("WORKER_POOL", "fork", "threads"),
+        ("WORKER_CONCURRENCY", "0", "greater than or equal to 1"),
+        ("WORKER_CONCURRENCY", "many", "integer"),
+    ],
+)
+def test_bad_pool_or_concurrency_one_line_exit_2(var: str, value: str, why: str) -> None:
+    proc = _start_worker({var: value})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert var in lines[0] and why in lines[0]
+    assert "Traceback" not in proc.stderr
 
 
 def test_app_found_by_celery_dash_a() -> None:

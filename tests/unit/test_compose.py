@@ -142,14 +142,23 @@ def test_celery_commands_name_the_real_app(name: str) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_worker_runs_the_plain_command() -> None:
+    # issue 13: pool and concurrency come from the settings (WORKER_POOL, WORKER_CONCURRENCY),
+    # so the compose worker is the documented `celery -A payment_worker worker`
+    command = OURS["worker"]["command"]
+    assert command[:4] == ["celery", "-A", "payment_worker", "worker"]
+    flags = {arg.split("=")[0] for arg in command[4:]}
+    assert not flags & {"-P", "--pool", "-c", "--concurrency", "-Q", "--queues"}, command
+    assert not {"WORKER_POOL", "WORKER_CONCURRENCY"} & set(OURS["worker"]["environment"])
+
+
 def test_worker_consumes_the_configured_queues() -> None:
+    # with no -Q a worker consumes every queue of task_queues: both of ours
     from payment_worker.settings import Settings
     from payment_worker.worker.celery_config import build_config
 
-    command = OURS["worker"]["command"]
-    queues = command[command.index("-Q") + 1].split(",")
     conf = build_config(Settings(), "redis://127.0.0.1:1/0")
-    assert sorted(queues) == sorted(q.name for q in conf["task_queues"]) == ["dlq", "payments"]
+    assert sorted(q.name for q in conf["task_queues"]) == ["dlq", "payments"]
 
 
 def test_long_running_services_have_health_checks() -> None:
