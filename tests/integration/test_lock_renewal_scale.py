@@ -17,7 +17,7 @@ import pytest
 import redis
 from sqlalchemy import Engine
 
-from payment_worker.db.engine import make_fence_engine
+from payment_worker.db.engine import autocommit, make_engine
 from payment_worker.locks.account_lock import AccountLock
 from payment_worker.locks.watchdog import COALESCE_FRACTION, Renewer, renewal_client
 from tests.conftest import PwEnv, wait_until
@@ -29,8 +29,9 @@ INTERVAL = TTL_MS / 3000
 
 @pytest.fixture
 def engine(pw_env: PwEnv) -> Iterator[Engine]:
-    eng = make_fence_engine(
-        pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    # the fencing upsert's engine in the service: an autocommit view of the pool
+    eng = autocommit(
+        make_engine(pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1))
     )
     yield eng
     eng.dispose()
