@@ -21,7 +21,7 @@ demo: $(STAMP)
 ## The whole test suite (unit, integration, short chaos). Uses DATABASE_URL/REDIS_URL when set,
 ## the embedded PostgreSQL and Redis otherwise.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

@@ -337,11 +337,16 @@ class Settings(BaseSettings):
     @property
     def concurrency(self) -> int:
         """Task slots per worker process: ``WORKER_CONCURRENCY``, else the pool's default."""
+        return self.concurrency_for(self.worker_pool)
+
+    def concurrency_for(self, pool: str) -> int:
+        """Task slots per process for ``pool``: ``WORKER_CONCURRENCY``, else that pool's
+        default (a ``-P`` on the command line may name another pool than ``WORKER_POOL``)."""
         if self.worker_concurrency is not None:
             return self.worker_concurrency
-        if self.worker_pool == "threads":
+        if pool == "threads":
             return THREADS_CONCURRENCY
-        if self.worker_pool == "prefork":
+        if pool == "prefork":
             return os.cpu_count() or 1
         return 1
 

@@ -40,7 +40,7 @@ def _config() -> dict[str, Any]:
         # celery worker/beat: the same one line and exit code 2 as the payment-worker command
         print(f"payment-worker: {exc}", file=sys.stderr)
         raise SettingsError(2) from None
-    return build_config(rt.settings, rt.urls.broker)
+    return build_config(rt.settings, rt.urls.broker, sys.argv)
 
 
 # lazy: evaluated when Celery loads its configuration (a worker's start, the first publish)

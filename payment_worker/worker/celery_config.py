@@ -5,15 +5,40 @@ pins them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kombu import Exchange, Queue
 
+from payment_worker.ops.multiprocess import celery_subcommand
 from payment_worker.settings import Settings
 
 
-def build_config(s: Settings, broker_url: str) -> dict[str, Any]:
-    """The Celery settings of the service, for the broker at ``broker_url``."""
+def pool_on_command_line(argv: Sequence[str]) -> str | None:
+    """The pool a ``celery ... worker`` command line names with ``-P``/``--pool``, or None.
+
+    Celery cannot tell ``-P prefork`` (its option's default value) from no option once a
+    pool is configured (``WorkersPool.convert`` in celery/bin/worker.py): without this, an
+    explicit ``-P prefork`` would silently run WORKER_POOL's pool instead.
+    """
+    if celery_subcommand(list(argv)) != "worker":
+        return None
+    found = None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg in ("-P", "--pool"):
+            found = next(args, None)
+        elif arg.startswith("--pool="):
+            found = arg.split("=", 1)[1]
+        elif arg.startswith("-P") and len(arg) > 2:
+            found = arg[2:]
+    return found
+
+
+def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict[str, Any]:
+    """The Celery settings of the service, for the broker at ``broker_url``; ``argv``: the
+    process's command line (an explicit ``-P`` there decides the pool)."""
+    pool = pool_on_command_line(argv) or s.worker_pool
     return {
         "broker_url": broker_url,
         # The plain `celery -A payment_worker worker` is the recommended command: pool and task
@@ -22,8 +47,8 @@ def build_config(s: Settings, broker_url: str) -> dict[str, Any]:
         # -P, except `-P prefork`, which Celery cannot tell from its own default (set
         # WORKER_POOL=prefork instead). Which settings below apply to which pool:
         # docs/configuration.md, "Worker pool".
-        "worker_pool": s.worker_pool,
-        "worker_concurrency": s.concurrency,
+        "worker_pool": pool,
+        "worker_concurrency": s.concurrency_for(pool),
         # Postgres is the source of truth for outcomes; Celery results would only be a second copy.
         "task_ignore_result": True,
         "result_backend": None,

@@ -56,7 +56,9 @@ def _run(
     env = {**os.environ, "METRICS_PORT": str(port), "TMPDIR": str(tmp), "SWEEPER_INTERVAL": "2"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     with LocalCluster(workdir=tmp / "cluster", env=env, pool=pool) as cluster:
-        cluster.start_simulator(rate=200)
+        # a little latency: a drain takes long enough that each pool process gets accounts
+        # (at zero latency one prefork child could drain all six before the other starts)
+        cluster.start_simulator(rate=200, latency_ms=30)
         for b in make_batches(batches=12, items=10, accounts=6, prefix=pool, reject_every=13):
             assert submit_batch(b).status == "accepted"
         worker = cluster.start_worker(concurrency=concurrency)

@@ -126,3 +126,25 @@ def test_importing_every_module_starts_nothing() -> None:
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == "payment_worker"
         assert not os.path.exists(home), "an import started an embedded server"
+
+
+@pytest.mark.parametrize(
+    ("argv", "pool", "slots"),
+    [
+        (["celery", "-A", "payment_worker", "worker"], "threads", 500),
+        (["celery", "-A", "payment_worker", "worker", "-P", "prefork"], "prefork", None),
+        (["celery", "-A", "payment_worker", "worker", "--pool=solo"], "solo", 1),
+        (["celery", "-A", "payment_worker", "worker", "-Pthreads", "-c", "7"], "threads", 500),
+        # not a worker command line: the settings decide
+        (["celery", "-A", "payment_worker", "beat"], "threads", 500),
+        (["pytest", "-P", "prefork"], "threads", 500),
+    ],
+)
+def test_an_explicit_pool_on_the_worker_command_line_wins(
+    argv: list[str], pool: str, slots: int | None
+) -> None:
+    # Celery reads `-P prefork` as "no option" once a pool is configured: we read it ourselves
+    c = build_config(Settings(redis_url=BROKER), BROKER, argv)
+    assert c["worker_pool"] == pool
+    # the default slots follow the pool that runs (-c itself is applied by Celery)
+    assert c["worker_concurrency"] == (slots if slots is not None else os.cpu_count() or 1)
