@@ -136,17 +136,6 @@ DB_RETRIES = Counter(
 )
 # its label values: the reasons db.retry may return (one list, kept there)
 DB_RETRY_REASONS = REASONS
-DB_RETRY_REASONS = (
-    "admin_shutdown",
-    "crash_shutdown",
-    "cannot_connect_now",
-    "serialization_failure",
-    "deadlock",
-    "read_only",
-    "connection",
-    "disconnect",
-    "pool_timeout",
-)
 
 # --- producer -------------------------------------------------------------------------------
 BATCHES_SUBMITTED = Counter(
