@@ -35,6 +35,12 @@ Each entry: key (type, TTL): what it holds; who writes it.
 ``{prefix}:swept:{acct}`` (string, ``SWEEPER_RESEND_AFTER``)
     A repair message was sent for the account and its task has not started yet; value: a
     batch id. The sweeper; deleted by the drain loop when a holder takes the account.
+``{prefix}:queued:{acct}`` (string, ``VISIBILITY_TIMEOUT``)
+    A message for the account was published at this time (ms since the epoch, the
+    publisher's clock) and no holder has taken the account since. Set before each publish
+    that names the account (the producer, a hand-off, a repair, a replay), deleted by the
+    drain loop when a holder takes the account; the sweeper reads it to tell a message still
+    waiting behind a backlog from a lost one.
 ``{prefix}:alive:{holder}`` (string, ``LIVENESS_TTL_MS``, renewed every ``LIVENESS_INTERVAL_MS``)
     One worker process is alive; value: its pid. The process's heartbeat thread
     (:mod:`payment_worker.locks.liveness`). ``holder`` is the process's holder id, which
@@ -118,6 +124,10 @@ class RedisKeys:
     def swept(self, account_id: str) -> str:
         """The sweeper's mark: a repair message for the account was sent recently."""
         return self._account("swept", account_id)
+
+    def queued(self, account_id: str) -> str:
+        """When a message for the account was last published (ms since the epoch)."""
+        return self._account("queued", account_id)
 
     def sweeper_lock(self) -> str:
         """The sweeper's own lock (one sweep at a time across all processes)."""

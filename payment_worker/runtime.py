@@ -14,6 +14,7 @@ server (the zero-setup local mode, started when it is not running).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -115,6 +116,15 @@ class Runtime:
         # set by a warm shutdown (worker/lifecycle.py): drains hand their accounts back
         self.shutting_down = threading.Event()
 
+    @functools.cached_property
+    def broker_redis(self) -> redis.Redis | None:
+        """A client of the Celery broker when it is Redis (the sweeper reads the age of the
+        oldest waiting message off kombu's lists), else None. Short timeouts: a sweep must
+        not hang on it."""
+        if not self.urls.broker.startswith(("redis://", "rediss://", "unix://")):
+            return None
+        return redis.Redis.from_url(self.urls.broker, socket_timeout=2, socket_connect_timeout=2)
+
     @property
     def fence_engine(self) -> Engine:
         """The engine of the fencing upsert: :attr:`autocommit_engine` (the one pool)."""
@@ -159,7 +169,7 @@ class Runtime:
         self.renewer.close()
         self.liveness.stop()
         self.gateway.close()
-        for client in (self.redis, self.renewal_redis, self.dedup_redis, self.liveness_redis):
+        for client in self._clients():
             client.close()
             client.connection_pool.disconnect()
         self.engine.dispose()  # the autocommit view shares its pool
@@ -168,8 +178,13 @@ class Runtime:
         """Drop the clients without touching their sockets: in a forked child, which must
         neither use nor close what it shares with its parent."""
         self.engine.dispose(close=False)
-        for client in (self.redis, self.renewal_redis, self.dedup_redis, self.liveness_redis):
+        for client in self._clients():
             client.connection_pool.reset()
+
+    def _clients(self) -> list[redis.Redis]:
+        clients = [self.redis, self.renewal_redis, self.dedup_redis, self.liveness_redis]
+        broker = self.__dict__.get("broker_redis")  # only if it was ever created
+        return clients + ([broker] if broker is not None else [])
 
 
 # The process's runtime, for the code that cannot be handed one: Celery tasks and library

@@ -400,7 +400,7 @@ def replay_cmd(
             note = ""
             if r.batch_id and r.batch_id not in enqueued:
                 try:
-                    enqueue_batch(r.batch_id)
+                    enqueue_batch(r.batch_id, rt=rt, account_id=r.account_id)
                     enqueued.add(r.batch_id)
                 except Exception as exc:
                     note = f" (enqueue failed, the sweeper will pick it up: {exc})"

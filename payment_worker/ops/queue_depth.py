@@ -60,3 +60,24 @@ def delayed(client: redis.Redis, now: datetime | None = None) -> int:
         if eta is not None and eta > now:
             count += 1
     return count
+
+
+def oldest_enqueued_ms(client: redis.Redis, queue: str, header: str) -> int | None:
+    """When the oldest message waiting in ``queue`` was published: its ``header`` (ms since
+    the epoch, set by our publisher), or None when the queue is empty or the message has no
+    such header. Kombu pushes on the left and takes from the right, so the oldest message
+    of each priority list is at index -1: one ``LINDEX`` per list, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for key in queue_keys(queue):
+        pipe.lindex(key, -1)
+    found: list[int] = []
+    for raw in pipe.execute():
+        if raw is None:
+            continue
+        try:
+            value = json.loads(raw).get("headers", {}).get(header)
+        except (ValueError, TypeError, AttributeError):
+            continue  # not a message we can read
+        if isinstance(value, int | float):
+            found.append(int(value))
+    return min(found, default=None)

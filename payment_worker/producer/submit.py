@@ -171,7 +171,7 @@ def _submit_one(raw: object, rt: Runtime, *, enqueue: bool) -> tuple[SubmitResul
     log.info("batch_accepted", batch_id=batch.batch_id, items=count)
     failed = False
     if enqueue:
-        failed = not _enqueue(batch.batch_id)
+        failed = not _enqueue(batch.batch_id, rt, batch.account_id)
     return _counted(SubmitResult(batch.batch_id, "accepted", count)), failed
 
 
@@ -193,12 +193,13 @@ def _counted(result: SubmitResult) -> SubmitResult:
     return result
 
 
-def _enqueue(batch_id: str) -> bool:
-    """Publish the batch id; False (logged, counted) when the broker cannot take it."""
+def _enqueue(batch_id: str, rt: Runtime, account_id: str) -> bool:
+    """Publish the batch id (the account marked queued); False (logged, counted) when the
+    broker cannot take it."""
     from payment_worker.worker.queueing import enqueue_batch  # imports Celery: only when publishing
 
     try:
-        enqueue_batch(batch_id)
+        enqueue_batch(batch_id, rt=rt, account_id=account_id)
     except Exception as exc:  # any broker failure: the batch is safe in Postgres already
         ENQUEUE_FAILURES.inc()
         log.warning(

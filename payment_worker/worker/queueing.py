@@ -7,6 +7,7 @@ neither the tasks module nor anything that imports it (no import cycle).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from payment_worker import lua
@@ -21,6 +22,9 @@ SWEEP_TASK = "payment_worker.sweep"
 PAYMENTS_QUEUE = "payments"
 # the keyword argument of a delayed message: the due time its marker holds (ms, Redis clock)
 SCHEDULED_DUE_KWARG = "scheduled_due_ms"
+# the header of every message we publish: when it was published (ms since the epoch); the
+# sweeper reads it off the oldest waiting message to know how long messages wait
+ENQUEUED_HEADER = "pw_enqueued_ms"
 # a scheduled marker outlives its message's due time by this much (a lost delayed message
 # blocks no reschedule for longer; the sweeper covers it)
 SCHEDULE_SLACK_MS = 5000
@@ -35,10 +39,18 @@ _CLEAR_LUA = lua.load("schedule_clear")
 
 
 def enqueue_batch(
-    batch_id: str, countdown: float | None = None, *, scheduled_due_ms: int | None = None
+    batch_id: str,
+    countdown: float | None = None,
+    *,
+    scheduled_due_ms: int | None = None,
+    rt: Runtime | None = None,
+    account_id: str | None = None,
 ) -> None:
     """Publish one ``process_account_batch`` message carrying only the batch id (and, for a
     delayed message of :func:`schedule`, the due time of its marker as a keyword argument).
+
+    With ``rt`` and ``account_id``, a message due now first sets the account's ``queued``
+    mark (:func:`mark_queued`): the sweeper then knows the account's message is on its way.
 
     Raises the broker's error when it is unreachable; callers that have persisted the batch
     already may ignore it, because the sweeper enqueues pending batches.
@@ -46,22 +58,53 @@ def enqueue_batch(
     kwargs: dict[str, Any] = {}
     if scheduled_due_ms is not None:
         kwargs[SCHEDULED_DUE_KWARG] = scheduled_due_ms
-    app.send_task(
-        PROCESS_TASK,
-        args=[batch_id],
-        kwargs=kwargs or None,
-        queue=PAYMENTS_QUEUE,
-        routing_key=PAYMENTS_QUEUE,
-        countdown=countdown,
-    )
+    now_ms = int(time.time() * 1000)
+    mark = (rt, account_id) if rt is not None and account_id and not countdown else None
+    if mark is not None:
+        mark_queued(*mark, now_ms)
+    try:
+        app.send_task(
+            PROCESS_TASK,
+            args=[batch_id],
+            kwargs=kwargs or None,
+            queue=PAYMENTS_QUEUE,
+            routing_key=PAYMENTS_QUEUE,
+            countdown=countdown,
+            headers={ENQUEUED_HEADER: now_ms},
+        )
+    except Exception:
+        if mark is not None:  # nothing is on its way: the sweeper must not wait for it
+            unmark_queued(*mark)
+        raise
 
 
-def hand_off(account_id: str, batch_id: str) -> None:
+def mark_queued(rt: Runtime, account_id: str, now_ms: int) -> None:
+    """Note that a message for the account is being published (before the publish: a holder
+    that takes the account at once deletes the mark after it). Best effort: without the
+    mark the sweeper may send one repair message too many, never one too few."""
+    try:
+        # the client with short timeouts: a slow Redis must not hold up a publish
+        rt.dedup_redis.set(
+            rt.keys.queued(account_id), now_ms, px=rt.settings.visibility_timeout * 1000
+        )
+    except Exception as exc:
+        log.warning("queued_mark_failed", account_id=account_id, error=repr(exc))
+
+
+def unmark_queued(rt: Runtime, account_id: str) -> None:
+    """Drop the account's ``queued`` mark after a failed publish (best effort)."""
+    try:
+        rt.dedup_redis.delete(rt.keys.queued(account_id))
+    except Exception as exc:
+        log.warning("queued_mark_failed", account_id=account_id, error=repr(exc))
+
+
+def hand_off(account_id: str, batch_id: str, rt: Runtime | None = None) -> None:
     """End of a slice: the account goes back to the queue (after the lock is released, so the
     next execution finds it free), and any free worker in any process continues it while
-    other accounts get their turn."""
+    other accounts get their turn. With ``rt``, the account is marked queued."""
     try:
-        enqueue_batch(batch_id)
+        enqueue_batch(batch_id, rt=rt, account_id=account_id or None)
     except Exception as exc:
         # broker down: the sweeper re-enqueues stalled accounts
         log.warning("hand_off_failed", account_id=account_id, error=repr(exc))
@@ -120,10 +163,13 @@ class RedisAccountQueue:
         self._rt.redis.set(self._rt.keys.waiting(account_id), batch_id, px=self._mark_ms)
 
     def consume(self, account_id: str) -> None:
-        """Clear the mark, and the sweeper's: a repair message, if one was sent, has done its
-        job now that a holder has the account (both keys in the account's slot)."""
+        """Clear the mark, the sweeper's and the queued one: a message on its way, repair or
+        not, has done its job now that a holder has the account (all keys in the account's
+        slot). A message published after this sets the queued mark again."""
         keys = self._rt.keys
-        self._rt.redis.delete(keys.waiting(account_id), keys.swept(account_id))
+        self._rt.redis.delete(
+            keys.waiting(account_id), keys.swept(account_id), keys.queued(account_id)
+        )
 
     def announced(self, account_id: str) -> bool:
         """Whether a task left the mark again."""
@@ -131,7 +177,7 @@ class RedisAccountQueue:
 
     def hand_off(self, account_id: str, batch_id: str) -> None:
         """See :func:`hand_off`."""
-        hand_off(account_id, batch_id)
+        hand_off(account_id, batch_id, self._rt)
 
     def schedule(self, account_id: str, batch_id: str, wait: float) -> float:
         """See :func:`schedule`."""

@@ -4,7 +4,9 @@ Finds accounts with due open items and **no live holder**: the lock's holder pro
 lost its liveness key (:mod:`payment_worker.locks.liveness`; the sweeper takes the lock
 away at once, owner-checked), or the lock is free and the items saw no write for
 ``SWEEPER_STALE_AFTER`` seconds (2 s: a fresh submission's message is on its way meanwhile).
-It enqueues one of their batches. The horizon is
+A free account whose last message is still waiting in the broker behind a backlog is left to
+that message (the ``queued`` mark against the oldest waiting message's publish time:
+:func:`_messages_on_their_way`). It enqueues one of their batches. The horizon is
 therefore liveness: a killed or paused holder's accounts, a broker that lost messages (a
 flush, a Redis restart without persistence), a submission made while the broker was down, a
 delayed message lost with its worker, and items left ``dispatching``/``unknown`` by a crash
@@ -39,12 +41,19 @@ from typing import Any
 from redis.exceptions import LockError
 
 from payment_worker.db import work as repo
-from payment_worker.locks.liveness import alive_holders, holder_of, read_locks, take_over
+from payment_worker.locks.liveness import (
+    READ_CHUNK,
+    alive_holders,
+    holder_of,
+    read_locks,
+    take_over,
+)
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import LOCK_TAKEOVERS, SWEEP_REENQUEUED, SWEEPS
+from payment_worker.ops.queue_depth import oldest_enqueued_ms
 from payment_worker.runtime import Runtime
 from payment_worker.settings import Settings
-from payment_worker.worker.queueing import enqueue_batch
+from payment_worker.worker.queueing import ENQUEUED_HEADER, PAYMENTS_QUEUE, enqueue_batch
 
 log = get_logger("sweeper")
 
@@ -149,11 +158,17 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     values = read_locks(res.redis, res.keys, [a.account_id for a in stalled])
     holders = sorted({h for h in map(holder_of, values) if h is not None})
     alive = alive_holders(res.redis, res.keys, holders)
+    on_its_way = _messages_on_their_way(
+        res, [a.account_id for a, v in zip(stalled, values, strict=True) if v is None and a.stale]
+    )
     requeued: list[str] = []
-    busy = taken = 0
+    busy = taken = queued = 0
     for acct, value in zip(stalled, values, strict=True):
         if value is None and not acct.stale:
             continue  # free and written moments ago: its message is on its way
+        if value is None and acct.account_id in on_its_way:
+            queued += 1  # its message waits behind the backlog: a repair would run twice
+            continue
         if value is not None:
             holder = holder_of(value)
             if holder is None or holder in alive:
@@ -175,7 +190,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
         if not res.redis.set(marker, acct.batch_id, nx=True, px=int(s.sweeper_resend_after * 1000)):
             continue
         try:
-            enqueue_batch(acct.batch_id)
+            enqueue_batch(acct.batch_id, rt=res, account_id=acct.account_id)
         except Exception as exc:
             res.redis.delete(marker)
             log.warning("sweep_enqueue_failed", batch_id=acct.batch_id, error=repr(exc))
@@ -200,6 +215,40 @@ def _sweep(res: Runtime) -> dict[str, Any]:
         "result": "ok",
         "stalled": sum(a.stale for a in stalled),
         "busy": busy,
+        "queued": queued,
         "taken_over": taken,
         "reenqueued": requeued,
     }
+
+
+def _messages_on_their_way(res: Runtime, account_ids: list[str]) -> set[str]:
+    """Of free, stale accounts, those whose message is most likely still waiting in the
+    broker: published (their ``queued`` mark) less than ``SWEEPER_STALE_AFTER`` before the
+    oldest message still waiting was. A backlog delays every message alike, so a repair
+    would only run after the original; a lost message (a broker flush empties the queue) is
+    repaired ``SWEEPER_STALE_AFTER`` after the oldest message still waiting was published,
+    at the latest. Without a Redis broker to read, the backlog counts as none."""
+    if not account_ids:
+        return set()
+    now_ms = int(time.time() * 1000)
+    wait_ms = 0
+    broker = res.broker_redis
+    if broker is not None:
+        try:
+            oldest = oldest_enqueued_ms(broker, PAYMENTS_QUEUE, ENQUEUED_HEADER)
+        except Exception as exc:  # the broker's own trouble: judge without the backlog
+            log.warning("sweep_broker_unreadable", error=repr(exc))
+            oldest = None
+        wait_ms = max(0, now_ms - oldest) if oldest is not None else 0
+    horizon_ms = int(res.settings.sweeper_stale_after * 1000) + wait_ms
+    marks: list[bytes | None] = []
+    for i in range(0, len(account_ids), READ_CHUNK):
+        pipe = res.redis.pipeline(transaction=False)
+        for acct in account_ids[i : i + READ_CHUNK]:
+            pipe.get(res.keys.queued(acct))
+        marks += pipe.execute()
+    out = set()
+    for acct, mark in zip(account_ids, marks, strict=True):
+        if mark is not None and mark.isdigit() and now_ms - int(mark) < horizon_ms:
+            out.add(acct)
+    return out

@@ -106,7 +106,7 @@ def test_rows_are_committed_when_the_publish_happens(
     real_enqueue = queueing.enqueue_batch
     seen: list[tuple[Any, ...]] = []
 
-    def enqueue_and_look(batch_id: str, countdown: float | None = None) -> None:
+    def enqueue_and_look(batch_id: str, countdown: float | None = None, **kw: Any) -> None:
         # what a worker taking the message right now would find, from another connection
         with psycopg.connect(pw_env.database_url, autocommit=True) as other:
             row = other.execute(
@@ -117,7 +117,7 @@ def test_rows_are_committed_when_the_publish_happens(
                 (batch_id,),
             ).fetchone()
         seen.append((batch_id, row))
-        real_enqueue(batch_id, countdown)
+        real_enqueue(batch_id, countdown, **kw)
 
     # the producer imports enqueue_batch from queueing when it publishes
     monkeypatch.setattr(queueing, "enqueue_batch", enqueue_and_look)

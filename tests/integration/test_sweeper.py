@@ -72,6 +72,7 @@ def test_batch_saved_while_the_broker_was_down_is_reenqueued(
         "result": "ok",
         "stalled": 0,
         "busy": 0,
+        "queued": 0,
         "taken_over": 0,
         "reenqueued": [],
     }
@@ -81,6 +82,7 @@ def test_batch_saved_while_the_broker_was_down_is_reenqueued(
         "result": "ok",
         "stalled": 1,
         "busy": 0,
+        "queued": 0,
         "taken_over": 0,
         "reenqueued": ["b-1"],
     }
@@ -96,13 +98,25 @@ def test_second_sweep_within_the_stale_period_publishes_nothing(
     assert run_sweep(srt)["reenqueued"] == ["b-1"]
     again = run_sweep(srt)
     assert time.monotonic() - first < STALE  # otherwise this check would prove nothing
-    # still stalled (nobody processed it), but already repaired in this period
-    assert again == {"result": "ok", "stalled": 1, "busy": 0, "taken_over": 0, "reenqueued": []}
+    # still stalled (nobody processed it), but its repair message waits in the broker
+    assert again == {
+        "result": "ok",
+        "stalled": 1,
+        "busy": 0,
+        "queued": 1,
+        "taken_over": 0,
+        "reenqueued": [],
+    }
     assert broker_messages(pw_env) == ["b-1"]
-    # at most once per period, not once for ever: after the period it is repaired again
+    # while the repair message still waits in the broker, it is on its way: no second one
+    time.sleep(STALE * 1.5)
+    assert run_sweep(srt)["reenqueued"] == []
+    # at most once per period, not once for ever: once the message is lost (the broker's
+    # queue emptied), it is repaired again after the period
+    redis.Redis.from_url(pw_env.broker_url).delete("payments")
     wait_until(lambda: run_sweep(srt)["reenqueued"] == ["b-1"], STALE * 3, "a second repair")
     assert time.monotonic() - first >= STALE * 0.9
-    assert broker_messages(pw_env) == ["b-1", "b-1"]
+    assert broker_messages(pw_env) == ["b-1"]
 
 
 def test_accounts_whose_lock_is_held_are_busy_and_not_enqueued(
@@ -119,6 +133,7 @@ def test_accounts_whose_lock_is_held_are_busy_and_not_enqueued(
             "result": "ok",
             "stalled": 2,
             "busy": 1,
+            "queued": 0,
             "taken_over": 0,
             "reenqueued": ["b-free"],
         }
@@ -126,12 +141,13 @@ def test_accounts_whose_lock_is_held_are_busy_and_not_enqueued(
     finally:
         holder.release()
     # a busy account got no repair marker: once its lock is free it is repaired at once
-    # (acct-free is not published again: its period is not over)
+    # (acct-free is not published again: its repair message waits in the broker)
     result = run_sweep(srt)
     assert result == {
         "result": "ok",
         "stalled": 2,
         "busy": 0,
+        "queued": 1,
         "taken_over": 0,
         "reenqueued": ["b-held"],
     }
@@ -196,6 +212,7 @@ def test_a_concurrent_sweep_is_skipped(
         "result": "ok",
         "stalled": 1,
         "busy": 0,
+        "queued": 0,
         "taken_over": 0,
         "reenqueued": ["b-1"],
     }
@@ -317,6 +334,7 @@ def test_a_batch_left_processing_with_every_item_terminal_is_completed(
         "result": "ok",
         "stalled": 0,
         "busy": 0,
+        "queued": 0,
         "taken_over": 0,
         "reenqueued": [],
     }
@@ -325,6 +343,7 @@ def test_a_batch_left_processing_with_every_item_terminal_is_completed(
         "result": "ok",
         "stalled": 1,
         "busy": 0,
+        "queued": 0,
         "taken_over": 0,
         "reenqueued": ["b-full"],
     }
@@ -340,3 +359,58 @@ def test_a_batch_left_processing_with_every_item_terminal_is_completed(
     with srt.engine.connect() as conn:
         assert repo.uncompleted_batch_accounts(conn, STALE) == []
         assert [a.batch_id for a in repo.stalled_accounts(conn, STALE)] == ["b-open"]
+
+
+def test_an_account_whose_message_waits_behind_a_backlog_is_not_repaired_twice(
+    srt: runtime.Runtime, pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    """Issue 13: in a burst, items untouched for SWEEPER_STALE_AFTER whose message still waits
+    in the broker got a repair message as well (one wasted execution per batch). The
+    ``queued`` mark and the age of the oldest waiting message tell waiting from lost."""
+    from payment_worker.worker.celery_app import app
+    from payment_worker.worker.queueing import ENQUEUED_HEADER, PROCESS_TASK, enqueue_batch
+
+    for n in ("a", "b", "c"):
+        _save(f"b-{n}", f"acct-{n}", srt)
+    _age(db_conn)
+    now_ms = int(time.time() * 1000)
+    # the backlog: a message published 10 s ago still waits at the head of the queue
+    app.send_task(
+        PROCESS_TASK,
+        args=["b-head"],
+        queue="payments",
+        routing_key="payments",
+        headers={ENQUEUED_HEADER: now_ms - 10_000},
+    )
+    # acct-a's message was published 4 s ago (older than STALE, younger than the backlog),
+    # acct-b's just now; acct-c's was never published (the broker was down)
+    enqueue_batch("b-a", rt=srt, account_id="acct-a")
+    srt.redis.set(srt.keys.queued("acct-a"), now_ms - 4_000)
+    enqueue_batch("b-b", rt=srt, account_id="acct-b")
+    assert broker_messages(pw_env) == ["b-head", "b-a", "b-b"]
+    result = run_sweep(srt)
+    assert (result["stalled"], result["queued"], result["reenqueued"]) == (3, 2, ["b-c"])
+    # the broker loses every message (a flush): nothing waits, so the mark older than
+    # SWEEPER_STALE_AFTER is repaired at once (b-c's repair message was lost too, but its
+    # swept marker allows one per SWEEPER_RESEND_AFTER)
+    broker = redis.Redis.from_url(pw_env.broker_url)
+    broker.delete("payments")
+    assert run_sweep(srt)["reenqueued"] == ["b-a"]
+    # messages are taken oldest first: while b-a's repair (published after b-b's message)
+    # waits, b-b's message may still be on a worker's way; once the queue has moved on (a
+    # worker took b-a's), b-b's is known lost after STALE at the latest
+    result = run_sweep(srt)
+    assert (result["queued"], result["reenqueued"]) == (3, [])
+    broker.delete("payments")
+    wait_until(lambda: "b-b" in run_sweep(srt)["reenqueued"], STALE * 3, "b-b repaired")
+    assert "b-b" in broker_messages(pw_env)
+
+
+def test_a_holder_taking_the_account_clears_its_queued_mark(srt: runtime.Runtime) -> None:
+    from payment_worker.worker.queueing import RedisAccountQueue, enqueue_batch
+
+    _save("b-1", "acct-1", srt)
+    enqueue_batch("b-1", rt=srt, account_id="acct-1")
+    assert srt.redis.get(srt.keys.queued("acct-1")) is not None
+    RedisAccountQueue(srt).consume("acct-1")
+    assert srt.redis.get(srt.keys.queued("acct-1")) is None
