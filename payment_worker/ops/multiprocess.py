@@ -9,9 +9,13 @@ so :func:`prepare_worker` runs when the ``payment_worker`` package is first impo
 ``celery -A payment_worker worker`` that is before anything imports ``prometheus_client``
 (Celery loads our ``celery.commands`` plugin, then the app), and the parent sets the
 variable before it forks a child. It acts only in the main process of ``celery ...
-worker`` (read from its command line), and only once. Every worker process uses the
-mode whatever its pool (threads, solo: one writer; prefork: parent and children), so there
-is one code path. Other processes (CLI, beat, exporter) keep the plain in-process registry.
+worker`` (read from its command line), and only once, and only when the worker's pool
+forks (prefork): a threads or solo worker is one process, whose own registry is already
+complete. The mode would cost it dearly: prometheus-client's multiprocess values share one
+lock per process ("no threading going on"), and with hundreds of task threads that lock
+was 74 % of the busy samples of a worker in issue 13's scenario 5 (a thread holding it
+waits for the GIL behind every other). Other processes (CLI, beat, exporter) keep the plain
+in-process registry too.
 
 This module must not import ``prometheus_client`` at module level.
 """
@@ -24,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -60,6 +65,42 @@ def celery_subcommand(argv: list[str]) -> str | None:
         elif not arg.startswith("-"):
             return arg
     return None
+
+
+def pool_on_command_line(argv: list[str]) -> str | None:
+    """The pool a ``celery ... worker`` command line names with ``-P``/``--pool``, or None.
+
+    Celery cannot tell ``-P prefork`` (its option's default value) from no option once a
+    pool is configured (``WorkersPool.convert`` in celery/bin/worker.py): without this, an
+    explicit ``-P prefork`` would silently run WORKER_POOL's pool instead.
+    """
+    if celery_subcommand(argv) != "worker":
+        return None
+    found = None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg in ("-P", "--pool"):
+            found = next(args, None)
+        elif arg.startswith("--pool="):
+            found = arg.split("=", 1)[1]
+        elif arg.startswith("-P") and len(arg) > 2:
+            found = arg[2:]
+    return found
+
+
+# pools that run every task in the worker's own process: one registry sees every count
+SINGLE_PROCESS_POOLS = ("threads", "solo")
+
+
+def worker_pool(argv: list[str], environ: Mapping[str, str]) -> str:
+    """The pool a worker with this command line and environment runs: ``-P`` on the command
+    line, else ``WORKER_POOL`` (read as the settings read it: any case, trimmed), else the
+    settings' default, threads. Read here, before the settings can be loaded (this runs at
+    the package's first import); a value the settings refuse stops the worker later."""
+    named = pool_on_command_line(argv)
+    if named is None:
+        named = next((v for k, v in environ.items() if k.lower() == "worker_pool"), "threads")
+    return named.strip().lower()
 
 
 def pid_alive(pid: int) -> bool:
@@ -102,6 +143,8 @@ def prepare_worker() -> Path | None:
     ``$TMPDIR/payment-worker-metrics-<uid>/<pid>`` and removes it when it stops.
     """
     if celery_subcommand(sys.argv) != "worker":
+        return None
+    if worker_pool(sys.argv, os.environ) in SINGLE_PROCESS_POOLS:
         return None
     if "prometheus_client.values" in sys.modules and not os.environ.get(ENV):
         # the mode is fixed at import: something imported prometheus_client first

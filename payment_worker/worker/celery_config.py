@@ -10,35 +10,14 @@ from typing import Any
 
 from kombu import Exchange, Queue
 
-from payment_worker.ops.multiprocess import celery_subcommand
+from payment_worker.ops.multiprocess import pool_on_command_line
 from payment_worker.settings import Settings
-
-
-def pool_on_command_line(argv: Sequence[str]) -> str | None:
-    """The pool a ``celery ... worker`` command line names with ``-P``/``--pool``, or None.
-
-    Celery cannot tell ``-P prefork`` (its option's default value) from no option once a
-    pool is configured (``WorkersPool.convert`` in celery/bin/worker.py): without this, an
-    explicit ``-P prefork`` would silently run WORKER_POOL's pool instead.
-    """
-    if celery_subcommand(list(argv)) != "worker":
-        return None
-    found = None
-    args = iter(argv[1:])
-    for arg in args:
-        if arg in ("-P", "--pool"):
-            found = next(args, None)
-        elif arg.startswith("--pool="):
-            found = arg.split("=", 1)[1]
-        elif arg.startswith("-P") and len(arg) > 2:
-            found = arg[2:]
-    return found
 
 
 def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict[str, Any]:
     """The Celery settings of the service, for the broker at ``broker_url``; ``argv``: the
     process's command line (an explicit ``-P`` there decides the pool)."""
-    pool = pool_on_command_line(argv) or s.worker_pool
+    pool = pool_on_command_line(list(argv)) or s.worker_pool
     return {
         "broker_url": broker_url,
         # The plain `celery -A payment_worker worker` is the recommended command: pool and task
@@ -108,8 +87,8 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
         "worker_hijack_root_logger": False,
         # Recycle a child now and then, so a slow leak can never grow without bound.
         "worker_max_tasks_per_child": 2000,
-        "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        "worker_send_task_events": s.worker_task_events,
+        "task_send_sent_event": s.worker_task_events,
         "beat_schedule": {
             "sweep": {
                 "task": "payment_worker.sweep",

@@ -18,7 +18,7 @@ from prometheus_client import Gauge
 from prometheus_client.metrics import MetricWrapperBase
 
 from payment_worker.ops import metrics, queue_depth
-from payment_worker.ops.multiprocess import celery_subcommand
+from payment_worker.ops.multiprocess import SINGLE_PROCESS_POOLS, celery_subcommand, worker_pool
 
 PKG = Path(__file__).resolve().parents[2] / "payment_worker"
 
@@ -89,6 +89,24 @@ def test_the_celery_subcommand_is_read_from_the_command_line(
     argv: list[str], sub: str | None
 ) -> None:
     assert celery_subcommand(argv) == sub
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "pool"),
+    [
+        (["celery", "-A", "payment_worker", "worker"], {}, "threads"),  # the default
+        (["celery", "-A", "payment_worker", "worker"], {"WORKER_POOL": " Prefork "}, "prefork"),
+        (["celery", "-A", "payment_worker", "worker"], {"worker_pool": "solo"}, "solo"),
+        (["celery", "-A", "payment_worker", "worker", "-P", "prefork"], {}, "prefork"),
+        (["celery", "worker", "--pool=threads"], {"WORKER_POOL": "prefork"}, "threads"),
+    ],
+)
+def test_the_pool_decides_whether_metrics_go_through_files(
+    argv: list[str], environ: dict[str, str], pool: str
+) -> None:
+    # only a forking pool needs the multiprocess mode (and its one lock per process)
+    assert worker_pool(argv, environ) == pool
+    assert (pool in SINGLE_PROCESS_POOLS) == (pool != "prefork")
 
 
 _CHILD = """
