@@ -198,6 +198,12 @@ class Drainer:
                             store.complete_batches(account_id, token, sorted(done))
                         if self._clock() < deadline and not self._stopping():
                             continue
+                        if len(items) < limits.chunk_size and not self._stopping():
+                            # a short chunk took everything due: hand the account off only
+                            # if more is open (a message for nothing is a wasted execution)
+                            store.complete_batches(account_id, token)
+                            if store.seconds_until_next_due(account_id) is None:
+                                return
                         # run_account re-enqueues after releasing
                         report.handed_off = True
                         report.shutdown = self._stopping()

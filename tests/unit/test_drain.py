@@ -226,6 +226,18 @@ def test_a_long_drain_hands_the_account_back_after_releasing(w: World) -> None:
     assert 0 < sum(r.status is TxStatus.SUCCEEDED for r in rows) < 10
 
 
+def test_a_long_drain_that_took_everything_is_not_handed_off(w: World) -> None:
+    """Issue 13: a slice that ran past DRAIN_MAX_SECONDS on its last, short chunk sent a
+    hand-off message for an account with nothing left: one wasted execution."""
+    rows = w.store.add(ACCT, 1, 3)
+    w.chunk_size, w.max_seconds = 5, 2.0
+    w.gateway.on_call = lambda kind, key: w.clock.sleep(1.0)  # the slice ends mid-chunk
+    report = w.run()
+    assert not report.handed_off and w.queue.handed_off == []  # type: ignore[attr-defined]
+    assert report.result == "processed"  # type: ignore[attr-defined]
+    assert all(r.status is TxStatus.SUCCEEDED for r in rows)
+
+
 def test_a_busy_account_gets_a_mark_and_no_send(w: World) -> None:
     w.store.add(ACCT, 1, 2)
     other = FakeLock(ACCT, w.store, w.holders)
