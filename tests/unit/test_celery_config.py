@@ -30,6 +30,15 @@ def test_reliability_settings() -> None:
     assert c["broker_url"] == BROKER
 
 
+def test_task_events_are_off_unless_asked_for() -> None:
+    # issue 13: events cost a third of a worker's CPU per item; Flower and celery-exporter
+    # (the compose stack) turn them on with WORKER_TASK_EVENTS
+    off = build_config(Settings(redis_url=BROKER), BROKER)
+    assert off["worker_send_task_events"] is False and off["task_send_sent_event"] is False
+    on = build_config(Settings(redis_url=BROKER, worker_task_events=True), BROKER)
+    assert on["worker_send_task_events"] is True and on["task_send_sent_event"] is True
+
+
 def test_plain_command_runs_threads_at_high_concurrency() -> None:
     # issue 13: `celery -A payment_worker worker` with no flag is the fast recipe
     c = build_config(Settings(redis_url=BROKER), BROKER)

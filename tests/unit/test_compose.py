@@ -150,6 +150,8 @@ def test_worker_runs_the_plain_command() -> None:
     flags = {arg.split("=")[0] for arg in command[4:]}
     assert not flags & {"-P", "--pool", "-c", "--concurrency", "-Q", "--queues"}, command
     assert not {"WORKER_POOL", "WORKER_CONCURRENCY"} & set(OURS["worker"]["environment"])
+    # the stack's celery-exporter and Flower read task events, off by default
+    assert OURS["worker"]["environment"]["WORKER_TASK_EVENTS"] == "true"
 
 
 def test_worker_consumes_the_configured_queues() -> None:
