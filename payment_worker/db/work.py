@@ -343,6 +343,24 @@ LIMIT :limit
 """)
 
 
+_STILL_STALLED = text(f"""
+SELECT t.account_id FROM transactions t
+WHERE t.account_id = ANY(:accts) AND t.status IN ({_OPEN}) AND t.next_attempt_at <= now()
+GROUP BY t.account_id
+HAVING max(t.updated_at) < now() - make_interval(secs => :stale)
+""")
+
+
+def still_stalled(conn: Connection, account_ids: list[str], stale_after: float) -> set[str]:
+    """Of ``account_ids``, those that still have due open items untouched for
+    ``stale_after`` seconds now (the sweeper's second look, right before it re-enqueues: a
+    holder may have drained the account since its first query)."""
+    if not account_ids:
+        return set()
+    rows = conn.execute(_STILL_STALLED, {"accts": list(account_ids), "stale": stale_after}).all()
+    return {str(r.account_id) for r in rows}
+
+
 def uncompleted_batch_accounts(
     conn: Connection, stale_after: float, limit: int = 500
 ) -> list[StalledAccount]:

@@ -153,14 +153,30 @@ def _sweep(res: Runtime) -> dict[str, Any]:
             for acct in repo.uncompleted_batch_accounts(conn, s.sweeper_stale_after, SWEEP_LIMIT)
             if acct.account_id not in seen
         ]
+    # whose message is on its way, read BEFORE the locks: a task that starts between the two
+    # reads deletes its account's mark as it takes the lock, so the lock read after sees it
+    # held (read the other way round, the account looked free and unmarked: a repair too many)
+    on_its_way = _messages_on_their_way(res, [a.account_id for a in stalled if a.stale])
     # who holds each one: one pipelined GET per account, then one EXISTS per distinct holder
     # process (a handful), so a pass costs len(stalled) + processes commands in two round trips
     values = read_locks(res.redis, res.keys, [a.account_id for a in stalled])
     holders = sorted({h for h in map(holder_of, values) if h is not None})
     alive = alive_holders(res.redis, res.keys, holders)
-    on_its_way = _messages_on_their_way(
-        res, [a.account_id for a, v in zip(stalled, values, strict=True) if v is None and a.stale]
-    )
+    # the query above is a moment old by now (a slow pass under load: most of a second): an
+    # account that looks free and unmarked may have been drained by a holder meanwhile, so
+    # it is looked at once more, after the lock read (a holder that took it since has
+    # written its items, or holds its lock at the next pass)
+    free = [
+        a.account_id
+        for a, v in zip(stalled, values, strict=True)
+        if v is None and a.stale and not a.uncompleted and a.account_id not in on_its_way
+    ]
+    if free:
+        with res.engine.connect() as conn:
+            still = repo.still_stalled(conn, free, s.sweeper_stale_after)
+        drained = set(free) - still
+    else:
+        drained = set()
     requeued: list[str] = []
     busy = taken = queued = 0
     for acct, value in zip(stalled, values, strict=True):
@@ -169,6 +185,8 @@ def _sweep(res: Runtime) -> dict[str, Any]:
         if value is None and acct.account_id in on_its_way:
             queued += 1  # its message waits behind the backlog: a repair would run twice
             continue
+        if value is None and acct.account_id in drained:
+            continue  # a holder drained it since the query
         if value is not None:
             holder = holder_of(value)
             if holder is None or holder in alive:
@@ -222,7 +240,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
 
 
 def _messages_on_their_way(res: Runtime, account_ids: list[str]) -> set[str]:
-    """Of free, stale accounts, those whose message is most likely still waiting in the
+    """Of stale accounts, those whose message is most likely still waiting in the
     broker: published (their ``queued`` mark) less than ``SWEEPER_STALE_AFTER`` before the
     oldest message still waiting was. A backlog delays every message alike, so a repair
     would only run after the original; a lost message (a broker flush empties the queue) is

@@ -414,3 +414,32 @@ def test_a_holder_taking_the_account_clears_its_queued_mark(srt: runtime.Runtime
     assert srt.redis.get(srt.keys.queued("acct-1")) is not None
     RedisAccountQueue(srt).consume("acct-1")
     assert srt.redis.get(srt.keys.queued("acct-1")) is None
+
+
+def test_an_account_drained_since_the_sweeps_query_is_not_repaired(
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 13: a pass slowed by load read the locks most of a second after its query; an
+    account a holder had drained (and released) in between looked free and unmarked and got
+    a repair message for nothing. The second look at Postgres finds nothing left."""
+    _save("b-done", "acct-done", srt)
+    _save("b-open", "acct-open", srt)
+    _age(db_conn)
+    first_look = repo.stalled_accounts
+
+    def query_then_holder_drains(*args: Any, **kwargs: Any) -> list[repo.StalledAccount]:
+        found = first_look(*args, **kwargs)
+        # right after the query, a holder finishes acct-done and releases its lock
+        db_conn.execute(
+            "UPDATE transactions SET status = 'succeeded', updated_at = now() - interval '1 min'"
+            " WHERE account_id = 'acct-done'"
+        )
+        return found
+
+    monkeypatch.setattr(repo, "stalled_accounts", query_then_holder_drains)
+    result = run_sweep(srt)
+    assert result["stalled"] == 2 and result["reenqueued"] == ["b-open"]
+    assert broker_messages(pw_env) == ["b-open"]
