@@ -105,7 +105,8 @@ class Answer:
 
 def check_idempotency_key(key: str) -> None:
     """Raise ValueError unless ``key`` is 1 to 255 printable ASCII characters (the protocol)."""
-    if not 1 <= len(key) <= 255 or not all(0x20 <= ord(c) <= 0x7E for c in key):
+    # isascii() and isprintable() together: exactly 0x20-0x7E (C loops, every request)
+    if not 1 <= len(key) <= 255 or not (key.isascii() and key.isprintable()):
         raise ValueError(f"invalid Idempotency-Key {key!r}: need 1-255 printable ASCII chars")
 
 
