@@ -11,9 +11,13 @@ The workers run the plain command, ``celery -A payment_worker worker``, with the
 settings: no ``-P``/``-c`` unless ``--pool``/``--concurrency`` is given, and then the output
 says the run departs from the defaults. One setting always departs: the per-account quota
 is raised to the simulator's (``--rate``, 100/s, in the simulator and in
-``GATEWAY_RATE_PER_SECOND``), so pacing is measured, not hidden.
+``GATEWAY_RATE_PER_SECOND``), so pacing is measured, not hidden. ``LOG_LEVEL`` is the
+default (INFO) unless ``PW_BENCH_LOG_LEVEL`` sets it.
 
-Per scenario: items/s (first enqueue to last terminal item); accounts in flight at once
+The whole load is saved and published (as ``submit_batch`` publishes: the account marked
+queued) before the workers start, so a publisher sharing the two cores decides nothing.
+Per scenario: items/s (first message a worker takes to last terminal item); accounts in
+flight at once
 (distinct accounts with a request of any endpoint in progress at the simulator, its exact
 peak and the median of samples taken every 0.2 s while items were open); RSS and threads
 per worker process (peak, a prefork worker counted with its children); Postgres
@@ -289,11 +293,10 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     for b in batches:
         enqueue_batch(b["batch_id"], rt=rt, account_id=b["account_id"])
     enqueue_s = time.monotonic() - t_pub
-    env = {
-        **os.environ,
-        "GATEWAY_RATE_PER_SECOND": str(args.rate),
-        "LOG_LEVEL": os.environ.get("PW_BENCH_LOG_LEVEL", "WARNING"),
-    }
+    env = {**os.environ, "GATEWAY_RATE_PER_SECOND": str(args.rate)}
+    # the default LOG_LEVEL (INFO), as users run it, unless PW_BENCH_LOG_LEVEL says otherwise
+    if os.environ.get("PW_BENCH_LOG_LEVEL"):
+        env["LOG_LEVEL"] = os.environ["PW_BENCH_LOG_LEVEL"]
     workdir = Path(tempfile.mkdtemp(prefix=f"pw-bench-{num}-"))
     r = redis.Redis.from_url(r_app)
     broker = redis.Redis.from_url(r_broker)
