@@ -187,30 +187,33 @@ class Drainer:
                         return
                     items = store.claim_due(account_id, token, limits.chunk_size)
                     lock.progress()
-                    if items:
+                    if len(items) == limits.chunk_size:
                         self._process_chunk(store, lock, token, items, report)
-                        # items are claimed in batch order: a batch followed by another in this
-                        # chunk, or ending a short chunk, has nothing more to claim now
+                        # a full chunk: more may be due. Items are claimed in batch order,
+                        # so a batch followed by another in it has nothing more to claim
                         done = {i.batch_pk for i in items}
-                        if len(items) == limits.chunk_size:
-                            done.discard(items[-1].batch_pk)
+                        done.discard(items[-1].batch_pk)
                         if done:
                             store.complete_batches(account_id, token, sorted(done))
                         if self._clock() < deadline and not self._stopping():
                             continue
-                        if len(items) < limits.chunk_size and not self._stopping():
-                            # a short chunk took everything due: hand the account off only
-                            # if more is open (a message for nothing is a wasted execution)
-                            store.complete_batches(account_id, token)
-                            if store.seconds_until_next_due(account_id) is None:
-                                return
                         # run_account re-enqueues after releasing
                         report.handed_off = True
                         report.shutdown = self._stopping()
                         return
+                    if items:
+                        # a short chunk took everything due at the claim: no second claim,
+                        # the account's finished batches and its next due time tell the rest
+                        self._process_chunk(store, lock, token, items, report)
                     store.complete_batches(account_id, token)
                     wait = store.seconds_until_next_due(account_id)
                     if wait is None:
+                        return
+                    if self._stopping() or (wait <= 0 and self._clock() >= deadline):
+                        # work due now (new since the claim) and the slice is over: the next
+                        # slice takes it; work not due yet is scheduled below
+                        report.handed_off = True
+                        report.shutdown = self._stopping()
                         return
                     if wait <= limits.hold_wait_max_seconds and self._clock() + wait < deadline:
                         self._sleep_holding(lock, wait)
