@@ -44,6 +44,10 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
         # delivered twice. The same value for the result transport, so the two never disagree.
         "broker_transport_options": {
             "visibility_timeout": s.visibility_timeout,
+            # kombu's Redis pool (acks and publishes from every task thread): kombu's 10 is
+            # a hard cap with redis-py 8 (MaxConnectionsError past it, not a wait), so it
+            # follows the task slots; connections are only made when used at once
+            "max_connections": max(100, 2 * s.concurrency_for(pool)),
             "socket_timeout": 10,
             "socket_connect_timeout": 5,
             "health_check_interval": 10,

@@ -84,3 +84,30 @@ def test_the_threads_pools_are_built_like_redis_py_builds_it(
         assert mine.get(key) == theirs.get(key)
     client.close()
     plain.close()
+
+
+def test_more_threads_in_redis_at_once_than_a_plain_pool_allows(pw_env: PwEnv) -> None:
+    """redis-py 8 caps a plain pool at 100 connections and raises MaxConnectionsError past
+    it: with hundreds of task threads, scenario 5 of issue 13 saw pacing, lock releases and
+    whole tasks fail with it. Each thread's own pool never runs out."""
+    plain = redis.Redis.from_url(pw_env.redis_url)
+    assert plain.connection_pool.max_connections <= 150  # the cap this test goes past
+    client = thread_local_client(pw_env.redis_url)
+    errors: list[BaseException] = []
+    start = threading.Barrier(150)
+
+    def hold_a_connection() -> None:
+        start.wait()
+        try:
+            client.blpop(["pw-pool-test:never"], timeout=1)  # each holds one for a second
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hold_a_connection) for _ in range(150)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    client.close()
+    plain.close()

@@ -30,6 +30,14 @@ def test_reliability_settings() -> None:
     assert c["broker_url"] == BROKER
 
 
+def test_kombus_redis_pool_follows_the_task_slots() -> None:
+    # redis-py 8 raises past a pool's cap: every task thread may ack or publish at once
+    c = build_config(Settings(redis_url=BROKER), BROKER)
+    assert c["broker_transport_options"]["max_connections"] >= 2 * c["worker_concurrency"]
+    small = build_config(Settings(redis_url=BROKER, worker_pool="solo"), BROKER)
+    assert small["broker_transport_options"]["max_connections"] == 100
+
+
 def test_task_events_are_off_unless_asked_for() -> None:
     # issue 13: events cost a third of a worker's CPU per item; Flower and celery-exporter
     # (the compose stack) turn them on with WORKER_TASK_EVENTS
