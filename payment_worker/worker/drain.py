@@ -429,14 +429,20 @@ def run_account(account_id: str, batch_id: str, rt: Runtime) -> DrainReport:
 
 
 def run_batch_task(
-    batch_id: str, rt: Runtime, *, scheduled_due_ms: int | None = None
+    batch_id: str,
+    rt: Runtime,
+    *,
+    scheduled_due_ms: int | None = None,
+    account_id: str | None = None,
 ) -> DrainReport:
     """The body of the ``process_account_batch`` task; ``scheduled_due_ms``: the message is
-    the account's delayed one (:func:`~payment_worker.worker.queueing.schedule`)."""
+    the account's delayed one (:func:`~payment_worker.worker.queueing.schedule`);
+    ``account_id``: the batch's account as the publisher gave it (else it is looked up)."""
     try:
-        account_id = DbRetry(max_seconds=rt.settings.db_retry_max_seconds).call(
-            "account_of_batch", lambda: _account_of(rt, batch_id), account_id=""
-        )
+        if account_id is None:
+            account_id = DbRetry(max_seconds=rt.settings.db_retry_max_seconds).call(
+                "account_of_batch", lambda: _account_of(rt, batch_id), account_id=""
+            )
     except DatabaseUnavailable as exc:
         # the message is all this task has: put it back rather than fail (a crash record)
         log.warning("db_unavailable", batch_id=batch_id, reason=str(exc))

@@ -25,6 +25,10 @@ SCHEDULED_DUE_KWARG = "scheduled_due_ms"
 # the header of every message we publish: when it was published (ms since the epoch); the
 # sweeper reads it off the oldest waiting message to know how long messages wait
 ENQUEUED_HEADER = "pw_enqueued_ms"
+# the batch's account, when the publisher knows it (it always does but for a bare batch id
+# sent by hand): the task then needs no query to find it. A header, not an argument: a
+# worker of an older version ignores it (an unknown keyword argument would fail its task)
+ACCOUNT_HEADER = "pw_account_id"
 # a scheduled marker outlives its message's due time by this much (a lost delayed message
 # blocks no reschedule for longer; the sweeper covers it)
 SCHEDULE_SLACK_MS = 5000
@@ -70,7 +74,10 @@ def enqueue_batch(
             queue=PAYMENTS_QUEUE,
             routing_key=PAYMENTS_QUEUE,
             countdown=countdown,
-            headers={ENQUEUED_HEADER: now_ms},
+            headers={
+                ENQUEUED_HEADER: now_ms,
+                **({ACCOUNT_HEADER: account_id} if account_id else {}),
+            },
         )
     except Exception:
         if mark is not None:  # nothing is on its way: the sweeper must not wait for it
@@ -134,7 +141,9 @@ def schedule(rt: Runtime, account_id: str, batch_id: str, wait: float) -> float:
     )
     if created == 1:
         try:
-            enqueue_batch(batch_id, countdown=wait or None, scheduled_due_ms=int(due))
+            enqueue_batch(
+                batch_id, countdown=wait or None, scheduled_due_ms=int(due), account_id=account_id
+            )
         except Exception as exc:
             clear_schedule(rt, account_id, int(due))
             log.warning("schedule_failed", account_id=account_id, error=repr(exc))

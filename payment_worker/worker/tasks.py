@@ -9,7 +9,7 @@ from payment_worker import runtime
 from payment_worker.worker import dlq  # the crash hooks and the dlq queue's task
 from payment_worker.worker.celery_app import app
 from payment_worker.worker.drain import run_batch_task
-from payment_worker.worker.queueing import PROCESS_TASK, SWEEP_TASK
+from payment_worker.worker.queueing import ACCOUNT_HEADER, PROCESS_TASK, SWEEP_TASK
 from payment_worker.worker.sweeper import sweep_if_due
 
 
@@ -24,7 +24,14 @@ def process_account_batch(self: Task, batch_id: str, scheduled_due_ms: int | Non
     account once it is stale.)
     """
     bind_contextvars(batch_id=batch_id)  # cleared at task_postrun (worker/log_context.py)
-    report = run_batch_task(batch_id, runtime.current(), scheduled_due_ms=scheduled_due_ms)
+    # the batch's account as the publisher wrote it in a header (worker/queueing.py)
+    hint = self.request.get(ACCOUNT_HEADER)
+    report = run_batch_task(
+        batch_id,
+        runtime.current(),
+        scheduled_due_ms=scheduled_due_ms,
+        account_id=hint if isinstance(hint, str) and hint else None,
+    )
     if report.result == "missing":
         # DLQ hook: a batch id that does not exist is a task_crashed dead letter
         dlq.record_missing_batch(batch_id, self.request.id)

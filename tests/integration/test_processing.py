@@ -281,3 +281,37 @@ def test_a_terminal_row_never_moves_back(
     after = db_conn.execute("SELECT id, status, attempts FROM transactions ORDER BY id").fetchall()
     assert after == before
     assert db_conn.execute("SELECT count(*) FROM dead_letters").fetchone() == (0,)
+
+
+def test_the_account_from_the_message_header_spares_the_lookup(
+    res: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 13: a message our publishers send names the batch's account in a header (a
+    header, so an older worker ignores it); the task then runs no query to find it."""
+    import base64
+    import json
+
+    import redis
+
+    from payment_worker.worker.queueing import ACCOUNT_HEADER, enqueue_batch
+
+    batches = make_batches(batches=1, items=3, accounts=1, prefix="h")
+    _submit(batches)
+    enqueue_batch(batches[0]["batch_id"], rt=res, account_id="acct-0000")
+    raw = redis.Redis.from_url(pw_env.broker_url).lindex("payments", -1)
+    assert raw is not None
+    message = json.loads(raw)
+    assert message["headers"][ACCOUNT_HEADER] == "acct-0000"
+    args, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+    assert args == [batches[0]["batch_id"]] and kwargs == {}  # the arguments are unchanged
+
+    def no_lookup(*_: Any) -> str | None:
+        raise AssertionError("the account was looked up")
+
+    monkeypatch.setattr(processing, "_account_of", no_lookup)
+    report = processing.run_batch_task(batches[0]["batch_id"], res, account_id="acct-0000")
+    assert report.result == "processed" and report.items == 3
+    assert _statuses(db_conn) == {"succeeded": 3}
