@@ -178,8 +178,8 @@ class Settings(BaseSettings):
     # 1 for solo
     worker_concurrency: int | None = Field(None, ge=1, le=10_000)
     # Celery's task events (task-sent/received/started/succeeded, as `-E` turns on): what Flower
-    # and celery-exporter read. Off by default, as in Celery: they cost a third of a worker's CPU
-    # per item in issue 13's scenario 5 (docs/benchmarks.md); the compose stack turns them on
+    # and celery-exporter read. Off by default, as in Celery: with them a worker spent a third
+    # more CPU per item in issue 13's scenario 5 (docs/benchmarks.md); compose turns them on
     worker_task_events: bool = False
     visibility_timeout: int = Field(3600, gt=0)
     task_soft_time_limit: int = Field(1500, gt=0)

@@ -39,7 +39,7 @@ def test_kombus_redis_pool_follows_the_task_slots() -> None:
 
 
 def test_task_events_are_off_unless_asked_for() -> None:
-    # issue 13: events cost a third of a worker's CPU per item; Flower and celery-exporter
+    # issue 13: with events a worker spent a third more CPU per item; Flower and celery-exporter
     # (the compose stack) turn them on with WORKER_TASK_EVENTS
     off = build_config(Settings(redis_url=BROKER), BROKER)
     assert off["worker_send_task_events"] is False and off["task_send_sent_event"] is False
