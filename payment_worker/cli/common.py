@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,10 +39,24 @@ def run_command(command: Command, args: argparse.Namespace, settings: Settings) 
 
     # logs go to stderr, so a command's own output (JSON lines, tables) stays clean
     configure_from_settings(settings)
+    stop_on_sigint()
     try:
         return command(args, Context(settings))
     finally:
         runtime.reset()
+
+
+def stop_on_sigint() -> None:
+    """Let SIGINT (Ctrl-C) stop the command even when it was started with SIGINT ignored:
+    a background job of a shell without job control inherits that (a CI runner's, a
+    script's), and Python then never installs its handler, so ``kill -INT`` did nothing to
+    ``payment-worker demo`` or ``exporter`` there. A terminal's Ctrl-C reaches only the
+    foreground job anyway."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    ):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def guarded(body: Callable[[], int]) -> int:

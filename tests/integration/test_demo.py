@@ -93,6 +93,10 @@ def test_small_chaos_demo(pw_env: PwEnv, tmp_path: Path) -> None:
     assert "SIGSTOP" in events and "SIGCONT" in events, events
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupted_demo_leaves_nothing_running(
     pw_env: PwEnv, tmp_path: Path, sig: signal.Signals
@@ -104,6 +108,9 @@ def test_interrupted_demo_leaves_nothing_running(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as a background job of a shell without job control starts it (a CI
+        # runner's): SIGINT ignored, which the command must undo (cli/common.py)
+        preexec_fn=_ignore_sigint,
     )
     assert proc.stdout is not None
     run_id = None
