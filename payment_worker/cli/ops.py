@@ -19,14 +19,12 @@ def sweep(_: argparse.Namespace, ctx: Context) -> int:
 def exporter(args: argparse.Namespace, ctx: Context) -> int:
     """``payment-worker exporter [--host H] [--port P]``: serve the state gauges (Postgres,
     the broker's queues, workers alive, submissions)."""
-    import redis
-
     from payment_worker.ops.exporter import Sources, celery_ping, serve
 
     port = args.port if args.port is not None else ctx.settings.exporter_port
     rt = ctx.runtime()
-    # short timeouts: a broker that hangs costs one scrape's figures, never the endpoint
-    broker = redis.Redis.from_url(rt.urls.broker, socket_timeout=5, socket_connect_timeout=3)
-    sources = Sources(rt.engine, rt.redis, broker, rt.keys, ping=celery_ping)
+    # the runtime's broker client (short timeouts: a broker that hangs costs one scrape's
+    # figures, never the endpoint); None for a broker that is not Redis: no queue depths
+    sources = Sources(rt.engine, rt.redis, rt.broker_redis, rt.keys, ping=celery_ping)
     serve(port, sources, ctx.settings.exporter_cache_seconds, host=args.host)
     return 0

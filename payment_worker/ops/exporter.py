@@ -74,7 +74,8 @@ class Sources:
 
     engine: Engine
     app_redis: redis.Redis
-    broker: redis.Redis
+    # None: the broker is not Redis, whose lists the queue depths are read from
+    broker: redis.Redis | None
     keys: RedisKeys
     # how many workers answer a ping (None: not asked)
     ping: Callable[[], int] | None = None
@@ -240,8 +241,10 @@ class StateCollector(Collector):
         reads: list[tuple[str, Callable[[], Iterator[Metric]]]] = [
             ("postgres", lambda: _postgres(s.engine)),
             ("redis", lambda: _redis(s.app_redis, s.keys)),
-            ("broker", lambda: _broker(s.broker)),
         ]
+        broker = s.broker
+        if broker is not None:
+            reads.append(("broker", lambda: _broker(broker)))
         if s.ping is not None:
             if self._pinger is None:
                 self._pinger = _Pinger(s.ping, max(self._cache_seconds, 1.0))

@@ -190,6 +190,24 @@ def test_unreachable_database_reports_up_zero_not_an_error(pw_env: PwEnv) -> Non
     assert "payment_worker_transactions" not in families
 
 
+def test_a_broker_that_is_not_redis_serves_everything_but_queue_depths(pw_env: PwEnv) -> None:
+    # the runtime has no broker client for, say, RabbitMQ (Runtime.broker_redis is None):
+    # the exporter serves the rest and says nothing of a source it cannot read
+    sources = _sources(pw_env.database_url, pw_env)
+    sources = Sources(sources.engine, sources.app_redis, None, sources.keys)
+    try:
+        families = {f.name: f for f in StateCollector(sources).collect()}
+    finally:
+        sources.engine.dispose()
+    assert [s.value for s in families["payment_worker_exporter_up"].samples] == [1]
+    ups = {
+        s.labels["source"]: s.value for s in families["payment_worker_exporter_source_up"].samples
+    }
+    assert ups == {"postgres": 1, "redis": 1}
+    assert "payment_worker_queue_messages" not in families
+    assert "payment_worker_transactions" in families
+
+
 def test_reads_are_cached_one_round_per_period(pw_env: PwEnv, db_conn: Any) -> None:
     sources = _sources(pw_env.database_url, pw_env)
     statements: list[str] = []
