@@ -153,23 +153,26 @@ def _sweep(res: Runtime) -> dict[str, Any]:
             for acct in repo.uncompleted_batch_accounts(conn, s.sweeper_stale_after, SWEEP_LIMIT)
             if acct.account_id not in seen
         ]
-    # whose message is on its way, read BEFORE the locks: a task that starts between the two
-    # reads deletes its account's mark as it takes the lock, so the lock read after sees it
-    # held (read the other way round, the account looked free and unmarked: a repair too many)
-    on_its_way = _messages_on_their_way(res, [a.account_id for a in stalled if a.stale])
     # who holds each one: one pipelined GET per account, then one EXISTS per distinct holder
     # process (a handful), so a pass costs len(stalled) + processes commands in two round trips
     values = read_locks(res.redis, res.keys, [a.account_id for a in stalled])
     holders = sorted({h for h in map(holder_of, values) if h is not None})
     alive = alive_holders(res.redis, res.keys, holders)
+    # of the free, stale ones (few: held accounts are the many), whose message is on its way
+    # and which a task took since the read above
+    on_its_way, taken_since = _messages_on_their_way(
+        res, [a.account_id for a, v in zip(stalled, values, strict=True) if v is None and a.stale]
+    )
     # the query above is a moment old by now (a slow pass under load: most of a second): an
     # account that looks free and unmarked may have been drained by a holder meanwhile, so
-    # it is looked at once more, after the lock read (a holder that took it since has
-    # written its items, or holds its lock at the next pass)
+    # it is looked at once more, after the lock reads
     free = [
         a.account_id
         for a, v in zip(stalled, values, strict=True)
-        if v is None and a.stale and not a.uncompleted and a.account_id not in on_its_way
+        if v is None
+        and a.stale
+        and not a.uncompleted
+        and a.account_id not in on_its_way | taken_since
     ]
     if free:
         with res.engine.connect() as conn:
@@ -184,6 +187,9 @@ def _sweep(res: Runtime) -> dict[str, Any]:
             continue  # free and written moments ago: its message is on its way
         if value is None and acct.account_id in on_its_way:
             queued += 1  # its message waits behind the backlog: a repair would run twice
+            continue
+        if value is None and acct.account_id in taken_since:
+            busy += 1  # a task took the lock between the two reads
             continue
         if value is None and acct.account_id in drained:
             continue  # a holder drained it since the query
@@ -239,15 +245,22 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     }
 
 
-def _messages_on_their_way(res: Runtime, account_ids: list[str]) -> set[str]:
-    """Of stale accounts, those whose message is most likely still waiting in the
-    broker: published (their ``queued`` mark) less than ``SWEEPER_STALE_AFTER`` before the
+def _messages_on_their_way(res: Runtime, account_ids: list[str]) -> tuple[set[str], set[str]]:
+    """Of free, stale accounts: those whose message is most likely still waiting in the
+    broker, and those whose lock a task has taken since it was read.
+
+    On its way: published (the ``queued`` mark) less than ``SWEEPER_STALE_AFTER`` before the
     oldest message still waiting was. A backlog delays every message alike, so a repair
     would only run after the original; a lost message (a broker flush empties the queue) is
     repaired ``SWEEPER_STALE_AFTER`` after the oldest message still waiting was published,
-    at the latest. Without a Redis broker to read, the backlog counts as none."""
+    at the latest. Without a Redis broker to read, the backlog counts as none.
+
+    Each account's mark is read, then its lock again, in that order in one pipeline: a task
+    that started after the first lock read has deleted the mark as it took the lock, so the
+    second read sees the lock held (without it, the account looked free and unmarked: a
+    repair too many)."""
     if not account_ids:
-        return set()
+        return set(), set()
     now_ms = int(time.time() * 1000)
     wait_ms = 0
     broker = res.broker_redis
@@ -259,14 +272,17 @@ def _messages_on_their_way(res: Runtime, account_ids: list[str]) -> set[str]:
             oldest = None
         wait_ms = max(0, now_ms - oldest) if oldest is not None else 0
     horizon_ms = int(res.settings.sweeper_stale_after * 1000) + wait_ms
-    marks: list[bytes | None] = []
+    answers: list[bytes | None] = []
     for i in range(0, len(account_ids), READ_CHUNK):
         pipe = res.redis.pipeline(transaction=False)
         for acct in account_ids[i : i + READ_CHUNK]:
             pipe.get(res.keys.queued(acct))
-        marks += pipe.execute()
-    out = set()
-    for acct, mark in zip(account_ids, marks, strict=True):
+            pipe.get(res.keys.lock(acct))
+        answers += pipe.execute()
+    on_its_way, taken = set(), set()
+    for acct, mark, lock in zip(account_ids, answers[::2], answers[1::2], strict=True):
         if mark is not None and mark.isdigit() and now_ms - int(mark) < horizon_ms:
-            out.add(acct)
-    return out
+            on_its_way.add(acct)
+        elif lock is not None:
+            taken.add(acct)
+    return on_its_way, taken

@@ -443,3 +443,37 @@ def test_an_account_drained_since_the_sweeps_query_is_not_repaired(
     result = run_sweep(srt)
     assert result["stalled"] == 2 and result["reenqueued"] == ["b-open"]
     assert broker_messages(pw_env) == ["b-open"]
+
+
+def test_an_account_taken_between_the_lock_read_and_the_mark_read_is_busy(
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 13: a task that takes the lock right after the sweeper read it free deletes
+    the account's queued mark as it does; the mark's read is followed by a second lock read,
+    which sees the lock held (under load, about 25 repairs a pass went out without it)."""
+    from payment_worker.worker import sweeper
+    from payment_worker.worker.queueing import RedisAccountQueue, enqueue_batch
+
+    _save("b-1", "acct-1", srt)
+    _age(db_conn)
+    enqueue_batch("b-1", rt=srt, account_id="acct-1")
+    redis.Redis.from_url(pw_env.broker_url).delete("payments")  # a worker took the message
+    holder = srt.account_lock("acct-1")
+    first_read = sweeper.read_locks
+
+    def read_then_a_task_starts(*args: Any) -> list[bytes | None]:
+        values = first_read(*args)
+        assert holder.acquire()  # the task takes the lock, then clears the marks
+        RedisAccountQueue(srt).consume("acct-1")
+        return values
+
+    monkeypatch.setattr(sweeper, "read_locks", read_then_a_task_starts)
+    try:
+        result = run_sweep(srt)
+    finally:
+        holder.release()
+    assert (result["busy"], result["queued"], result["reenqueued"]) == (1, 0, [])
+    assert broker_messages(pw_env) == []
