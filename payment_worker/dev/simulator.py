@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
-import resource
 import signal
 import socket
 import struct
@@ -55,6 +53,7 @@ from payment_worker.dev.simulator_state import (
     check_seconds,
     retry_after_header,
 )
+from payment_worker.ops.open_files import raise_open_files_limit
 
 STATE: web.AppKey[SimState] = web.AppKey("state", SimState)
 
@@ -422,15 +421,6 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     # every config field has its flag (tests/unit/test_gateway_sim_state.py checks it)
     cfg.update({f.name: getattr(args, f.name) for f in dataclasses.fields(cfg)})
     return cfg
-
-
-def raise_open_files_limit() -> None:
-    """Raise the soft limit of open files to the hard one: every request in flight holds a
-    socket, and a fleet holding thousands of accounts at 1 s latency needs thousands."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def serve(host: str, port: int, config: SimConfig, seed: int | None = None) -> None:

@@ -15,6 +15,11 @@ Why a thread and not a message: see :mod:`payment_worker.worker.sweeper` and the
 section of docs/processing.md. The thread is found again through ``threading.enumerate()``:
 this module keeps no state of its own.
 
+At start (``worker_init``, before the pool, so prefork children inherit it) the process's
+soft limit of open files is raised to its hard limit (:mod:`payment_worker.ops.open_files`):
+500 task slots at 1 s gateway latency hold about 1,000 sockets, the default soft limit of
+many systems.
+
 The same receivers start the process's liveness heartbeat (:mod:`payment_worker.locks.liveness`)
 before the first task, and stop it at the very end, deleting the key, so a lock left behind
 is taken over at once.
@@ -31,10 +36,12 @@ only: its children finish their slice as before (the threads pool is the default
 
 from __future__ import annotations
 
+import resource
 import threading
 from typing import Any
 
 from celery.signals import (
+    worker_init,
     worker_process_init,
     worker_process_shutdown,
     worker_ready,
@@ -44,6 +51,7 @@ from celery.signals import (
 
 from payment_worker import runtime
 from payment_worker.ops.logging import get_logger
+from payment_worker.ops.open_files import files_needed, raise_open_files_limit
 from payment_worker.worker.sweeper import SweeperThread
 
 log = get_logger("worker")
@@ -85,6 +93,22 @@ def start_liveness() -> None:
         log.warning("liveness_not_established", holder=rt.liveness.holder_id)
 
 
+def raise_files_limit(sender: Any = None, **_: Any) -> None:
+    """Raise the soft limit of open files to the hard one; a limit still below what the
+    worker's slots may need is logged (a socket that cannot be opened fails a call)."""
+    slots = int(getattr(sender, "concurrency", 0) or 0)
+    limit = raise_open_files_limit()
+    needed = files_needed(slots)
+    if limit != resource.RLIM_INFINITY and limit < needed:
+        log.warning(
+            "open_files_limit_low",
+            limit=limit,
+            needed=needed,
+            slots=slots,
+            hint="raise the hard limit: ulimit -Hn, systemd LimitNOFILE=, docker --ulimit nofile=",
+        )
+
+
 def _child_started(**_: Any) -> None:
     start_liveness()
     start_sweeper()
@@ -112,6 +136,7 @@ def _stopping(**_: Any) -> None:
 
 
 # connected when Celery imports this module (plain calls: Celery's decorators are untyped)
+worker_init.connect(raise_files_limit)
 worker_process_init.connect(_child_started)
 worker_ready.connect(_worker_ready)
 worker_process_shutdown.connect(_stopping)
