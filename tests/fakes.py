@@ -267,6 +267,7 @@ class FakeGateway:
         self.calls: list[tuple[str, str]] = []
         self.paid: dict[str, int] = defaultdict(int)
         self.on_call: Any = None  # a hook run before each answer (e.g. to lose the lock)
+        self.done: list[str] = []  # accounts whose holder said it was done with them
 
     def create_payment(
         self,
@@ -300,6 +301,9 @@ class FakeGateway:
         if self.paid[idempotency_key]:
             return ok(f"pay-{idempotency_key}")
         return answer(Outcome.NOT_FOUND, 404, reason="not_found")
+
+    def done_with(self, account_id: str) -> None:
+        self.done.append(account_id)
 
     def sends(self, key: str) -> int:
         return sum(1 for kind, k in self.calls if kind == "create" and k == key)

@@ -247,6 +247,15 @@ class GatewayClient:
             guard,
         )
 
+    def done_with(self, account_id: str) -> None:
+        """The caller is about to release the account: this process's unused pacing slots of
+        it go back (:meth:`Pacer.give_back`), so its next holder starts within an interval."""
+        try:
+            self.pacer.give_back(account_id, self._settings.rate_for(account_id))
+        except RedisError as exc:
+            # the next holder waits for the rest of the window at most
+            log.warning("pacing_give_back_failed", account_id=account_id, error=str(exc))
+
     def close(self) -> None:
         """Close the HTTP connection pools (of every thread)."""
         with self._clients_lock:

@@ -17,13 +17,19 @@ them locally without another round trip:
   block up to one block ahead, one that just spent a block only the next slot, so a
   waiting process gets the next block first (normally there is none: the account lock
   gives the account to one holder at a time).
+* A holder done with the account (its drain ends, the account lock about to be released)
+  gives the unused rest of its lease back (:meth:`Pacer.give_back`), unless another lease
+  followed: the next holder, in any process, starts one interval later instead of after
+  the window. A window can therefore span many requests at real gateway latency (one
+  script per block, not per request) without delaying the next holder; only a holder that
+  dies keeps its window until it ends.
 * A 429's ``Retry-After`` is recorded in the same key as a cooldown: no slot is leased
   before it ends. The process that records it drops its own lease at once; a lease held by
   another process runs out within its window.
 
 Key: ``{prefix}:pace:{account}`` (a hash: ``tat``, ``until``; the ``{account}`` hash tag keeps
 all of an account's keys in one Redis Cluster slot). Scripts: ``lua/pace_acquire.lua``,
-``lua/pace_cooldown.lua``.
+``lua/pace_return.lua``, ``lua/pace_cooldown.lua``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from payment_worker.redis_keys import RedisKeys
 # lease slots (or the ms to wait) and record a 429's cooldown, on the server's clock
 _ACQUIRE = lua.load("pace_acquire")
 _COOLDOWN = lua.load("pace_cooldown")
+_RETURN = lua.load("pace_return")
 
 # leases kept in a process before the expired ones are swept (one per account in flight)
 _SWEEP_AT = 1024
@@ -65,6 +72,7 @@ class _Lease:
     end: float  # no slot is used at or after this moment (the lease's window)
     left: int  # slots not yet used
     used: int = 0
+    tat: bytes | None = None  # the account's first free slot after this lease, as stored
 
 
 class Pacer:
@@ -88,6 +96,7 @@ class Pacer:
         self._clock = clock
         self._acquire = redis_client.register_script(_ACQUIRE)
         self._cooldown = redis_client.register_script(_COOLDOWN)
+        self._return = redis_client.register_script(_RETURN)
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         # accounts whose lease script is in flight: the process's other threads wait for its
@@ -160,9 +169,10 @@ class Pacer:
         reach_ms = (1 if continuing else n) * interval * 1000
         ahead_ms = reach_ms if ahead is None else max(0.0, min(reach_ms, ahead * 1000))
         sent = self._clock()
-        granted, delay = self._acquire(keys=[self.key(account_id)], args=[rate, n, ahead_ms])
+        answer = self._acquire(keys=[self.key(account_id)], args=[rate, n, ahead_ms])
         got = self._clock()
         self.scripts += 1
+        granted, delay = answer[0], answer[1]
         delay_s = float(delay) / 1000
         if int(granted) == 0:
             with self._lock:
@@ -173,8 +183,13 @@ class Pacer:
         # the first slot is never used before its time (counted from the answer), the last
         # never after the window as the server knows it (counted from the request)
         start = got + delay_s
+        if last is not None:
+            # a slot of the last lease used late (a slow request) must not bunch up with the
+            # first of this one: this process's own requests stay an interval apart
+            start = max(start, last.next_at)
         granted = int(granted)
         lease = _Lease(interval, start, sent + delay_s + granted * interval, granted)
+        lease.tat = _as_bytes(answer[2]) if len(answer) > 2 else None
         with self._lock:
             if len(self._leases) + len(self._closed) >= _SWEEP_AT:
                 self._sweep(got)
@@ -227,6 +242,19 @@ class Pacer:
             time.sleep(min(wait, self._max_poll))
             waited = time.monotonic() - start
 
+    def give_back(self, account_id: str, rate: float) -> bool:
+        """The holder is done with the account: give the unused rest of this process's lease
+        back, so the next holder (in any process) starts one interval from now rather than
+        after the lease's window. One script, and only when there is something to give:
+        a lease with slots left whose window has not ended. True when given back."""
+        with self._lock:
+            lease = self._leases.pop(account_id, None)
+        if lease is None or lease.tat is None or lease.left <= 0:
+            return False
+        if lease.end <= self._clock():
+            return False  # the window is over: the timeline has passed it already
+        return bool(int(self._return(keys=[self.key(account_id)], args=[lease.tat, rate])))
+
     def cooldown(self, account_id: str, seconds: float) -> float:
         """Close the account for ``seconds`` in every process (a 429's Retry-After); this
         process's own leased slots of the account are dropped at once."""
@@ -235,3 +263,7 @@ class Pacer:
             self._closed.pop(account_id, None)
         ms = max(1, int(seconds * 1000))
         return int(self._cooldown(keys=[self.key(account_id)], args=[ms])) / 1000.0
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()

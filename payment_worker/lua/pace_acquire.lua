@@ -9,9 +9,11 @@
 -- the first free slot. A lease takes `n` consecutive slots starting at max(now, tat) (and
 -- never before a 429's cooldown has ended plus one interval), so two leases never share a
 -- slot and the account never gets more than one request per interval, whoever leased.
--- Returns {n, delay_ms}: `n` slots leased, the first `delay_ms` (a decimal string) from
--- now, the others one interval apart; or {0, wait_ms} when the first free slot is further
--- ahead than ARGV[3]: ask again then (a cooldown, or other processes' leases).
+-- Returns {n, delay_ms, tat}: `n` slots leased, the first `delay_ms` (a decimal string)
+-- from now, the others one interval apart, and the first free slot after them as stored
+-- (what pace_return compares to give the rest back); or {0, wait_ms} when the first free
+-- slot is further ahead than ARGV[3]: ask again then (a cooldown, or other processes'
+-- leases).
 -- #include now_ms
 local now = now_ms()
 local interval = 1000 / tonumber(ARGV[1])
@@ -28,10 +30,11 @@ if start - now > ahead then
   return {0, math.max(1, math.ceil(start - now - ahead))}
 end
 local tat = start + want * interval
-redis.call('HSET', KEYS[1], 'tat', string.format('%.3f', tat))
+local stored = string.format('%.3f', tat)
+redis.call('HSET', KEYS[1], 'tat', stored)
 local keep = math.ceil(math.max(tat, untl) - now) + 1000
 if redis.call('PTTL', KEYS[1]) < keep then
   redis.call('PEXPIRE', KEYS[1], keep)
 end
 -- a string: Redis would truncate a fractional number to an integer
-return {want, string.format('%.3f', start - now)}
+return {want, string.format('%.3f', start - now), stored}

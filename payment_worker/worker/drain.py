@@ -142,7 +142,12 @@ class Drainer:
                 self._drain(lock, batch_id, report)
             finally:
                 IN_PROGRESS.dec()
-                lock.release()
+                try:
+                    # before the lock goes: whoever takes the account next finds the pacing
+                    # slots this holder leased and did not use already given back
+                    self._gateway.done_with(account_id)
+                finally:
+                    lock.release()
                 BATCH_SECONDS.observe(self._clock() - started)
             if report.handed_off:
                 self._queue.hand_off(account_id, batch_id)

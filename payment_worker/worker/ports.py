@@ -88,6 +88,12 @@ class Gateway(Protocol):
         """Ask the gateway what it holds under the key."""
         ...
 
+    def done_with(self, account_id: str) -> None:
+        """The caller is about to release the account: give back what it reserved for its
+        next requests (pacing slots), so the next holder need not wait for them. Never
+        raises for a shared-state error (at worst the next holder waits)."""
+        ...
+
 
 class AccountQueue(Protocol):
     """How work reaches an account's holder: the "work waiting" mark and the broker."""

@@ -168,3 +168,42 @@ def test_a_cooldown_drops_the_own_lease_and_another_process_lease_runs_out(
     assert len(during) <= 10  # its block, no more
     assert all(t - leased_at <= 0.1 + 0.05 for t in during)  # within its window (+ slack)
     assert taken[-1] >= cooled_at + 0.5  # then Retry-After holds for it too
+
+
+def test_a_holder_done_with_the_account_gives_the_rest_of_its_lease_back(
+    redis_client: redis.Redis,
+) -> None:
+    rate = 10.0  # a block of 10 slots, 100 ms apart: a window of 1 s
+    first = Pacer(redis_client, "pw", lease_seconds=1.0)
+    nxt = Pacer(redis_client, "pw", lease_seconds=1.0)  # the account's next holder
+    assert first.acquire("acct-back", rate, max_wait=1.0).acquired  # 9 slots left
+    # without the give-back, a next holder's first slot lies past the window (~1 s); a probe
+    # of its own (a pacer remembers a closed account locally for that long)
+    probe = Pacer(redis_client, "pw", lease_seconds=1.0)
+    assert probe.try_acquire("acct-back", rate, ahead=0.0) > 0.8
+    assert first.give_back("acct-back", rate)
+    t0 = time.monotonic()
+    assert nxt.acquire("acct-back", rate, max_wait=1.0).acquired
+    waited = time.monotonic() - t0
+    assert waited <= 1 / rate + 0.05  # one interval after the give-back, not the window
+    # the next holder leased since: a late give-back of the first one changes nothing
+    assert not first.give_back("acct-back", rate)  # its lease is gone already
+    stale = Pacer(redis_client, "pw", lease_seconds=1.0)
+    assert stale.acquire("acct-stale", rate, max_wait=1.0).acquired
+    assert nxt.acquire("acct-stale", rate, max_wait=0.2).acquired is False  # a window ahead
+    # another lease followed this one's (forced here by moving the timeline on): no give-back
+    redis_client.hset(stale.key("acct-stale"), "tat", "99999999999999.000")
+    assert not stale.give_back("acct-stale", rate)
+    assert redis_client.hget(stale.key("acct-stale"), "tat") == b"99999999999999.000"
+
+
+def test_a_spent_lease_costs_no_give_back_script(redis_client: redis.Redis) -> None:
+    rate = 100.0
+    pacer = Pacer(redis_client, "pw", lease_seconds=0.02)  # blocks of 2 slots, 20 ms
+    assert pacer.acquire("acct-spent", rate, max_wait=1.0).acquired
+    assert pacer.acquire("acct-spent", rate, max_wait=1.0).acquired  # the block is spent
+    before = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert not pacer.give_back("acct-spent", rate)
+    assert not pacer.give_back("acct-none", rate)  # never leased here
+    after = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert after == before

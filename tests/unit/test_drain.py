@@ -107,6 +107,21 @@ def test_claim_send_record_and_complete(w: World) -> None:
     assert w.store.opened == 1 and w.holders == {} and w.queue.marks == set()
 
 
+def test_the_holder_gives_its_pacing_back_while_it_still_holds_the_lock(w: World) -> None:
+    w.store.add(ACCT, 1, 3)
+    held_then: list[bool] = []
+    done_with = w.gateway.done_with
+
+    def spy(account_id: str) -> None:
+        held_then.append(account_id in w.holders)
+        done_with(account_id)
+
+    w.gateway.done_with = spy  # type: ignore[method-assign]
+    w.run()
+    # once per drain, before the release: the next holder finds the slots given back
+    assert w.gateway.done == [ACCT] and held_then == [True] and w.holders == {}
+
+
 def test_an_unknown_outcome_is_looked_up_before_any_resend(w: World) -> None:
     [row] = w.store.add(ACCT, 1, 1)
     # the gateway applied the payment but the answer was lost
