@@ -42,9 +42,10 @@ def _limits(pid: int) -> tuple[str, str]:
 def test_worker_raises_its_open_files_limit(pw_env: PwEnv, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("WORKER_POOL", "WORKER_CONCURRENCY")}
     env.update({"METRICS_PORT": "0", "LOG_LEVEL": "WARNING"})
-    with _soft_limit(LOW) as hard, LocalCluster(
-        workdir=tmp_path, env=env, pool=None, concurrency=None
-    ) as cluster:
+    with (
+        _soft_limit(LOW) as hard,
+        LocalCluster(workdir=tmp_path, env=env, pool=None, concurrency=None) as cluster,
+    ):
         worker = cluster.start_worker()
         # the limit is raised at worker_init, before the consumer answers a ping
         wait_until(lambda: len(app.control.ping(timeout=0.5)) == 1, 60, "worker up")
