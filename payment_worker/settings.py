@@ -26,8 +26,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from payment_worker.ops.redaction import mask_url
 
 # threads per worker process when WORKER_CONCURRENCY is unset: enough accounts in flight for
-# a gateway that answers in about a second (measured, docs/benchmarks.md, issue 13)
-THREADS_CONCURRENCY = 500
+# a gateway that answers in about a second, with headroom (measured, docs/benchmarks.md,
+# issue 13: at 500, two processes reach 1,000 accounts in flight only when every slot is
+# busy at the same instant; the consumer never filled much more than 650 of 1,000 slots)
+THREADS_CONCURRENCY = 750
 
 _PG_SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
 _REDIS_SCHEMES = {"redis", "rediss", "unix"}

@@ -148,13 +148,17 @@ def test_importing_every_module_starts_nothing() -> None:
 @pytest.mark.parametrize(
     ("argv", "pool", "slots"),
     [
-        (["celery", "-A", "payment_worker", "worker"], "threads", 500),
+        (["celery", "-A", "payment_worker", "worker"], "threads", THREADS_CONCURRENCY),
         (["celery", "-A", "payment_worker", "worker", "-P", "prefork"], "prefork", None),
         (["celery", "-A", "payment_worker", "worker", "--pool=solo"], "solo", 1),
-        (["celery", "-A", "payment_worker", "worker", "-Pthreads", "-c", "7"], "threads", 500),
+        (
+            ["celery", "-A", "payment_worker", "worker", "-Pthreads", "-c", "7"],
+            "threads",
+            THREADS_CONCURRENCY,
+        ),
         # not a worker command line: the settings decide
-        (["celery", "-A", "payment_worker", "beat"], "threads", 500),
-        (["pytest", "-P", "prefork"], "threads", 500),
+        (["celery", "-A", "payment_worker", "beat"], "threads", THREADS_CONCURRENCY),
+        (["pytest", "-P", "prefork"], "threads", THREADS_CONCURRENCY),
     ],
 )
 def test_an_explicit_pool_on_the_worker_command_line_wins(
