@@ -161,9 +161,12 @@ def _cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(t - before.get(p, 0.0) for p, t in after.items())
 
 
+def _redis_by_command(r: Any) -> dict[str, int]:
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
+
+
 def _redis_calls(r: Any) -> int:
-    stats = r.info("commandstats")
-    return sum(int(v["calls"]) for v in stats.values())
+    return sum(_redis_by_command(r).values())
 
 
 def _xacts(conn: Any) -> int:
@@ -306,7 +309,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     ) as cluster:
         cluster.start_simulator(rate=args.rate, latency_ms=sc["latency_ms"])
         with psycopg.connect(db_url, autocommit=True) as conn:
-            x0, c0 = _xacts(conn), _redis_calls(r)
+            x0, by0 = _xacts(conn), _redis_by_command(r)
+            c0 = sum(by0.values())
             for i in range(args.workers):
                 port = free_port()
                 ports.append(port)
@@ -339,7 +343,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 time.sleep(0.05)
             elapsed = time.monotonic() - t0
             sampler.stop()
-            c1 = _redis_calls(r) - sampler.redis_calls - 1
+            by1 = _redis_by_command(r)
+            c1 = sum(by1.values()) - sampler.redis_calls - 1
             servers = server_pids(db_url, r_app)  # backends started during the run included
             cpu1 = _cpu_by_component(cluster, servers)
             time.sleep(1.2)  # PostgreSQL publishes backend statistics at most once a second
@@ -381,6 +386,12 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         "extra_sends": int(extra_sends or 0),
         "execs": {k: int(v) for k, v in sorted(execs.items()) if v},
         "lookups": int(lookups or 0),
+        # Redis commands per item by command (the sampler's own few included)
+        "redis_by_cmd": {
+            k: (n - by0.get(k, 0)) / total
+            for k, n in sorted(by1.items(), key=lambda kv: by0.get(kv[0], 0) - kv[1])
+            if n - by0.get(k, 0) >= total / 100
+        },
         "http_429": ledger.get("http_429_by_cause", {}),
         # CPU microseconds per item, by process kind
         "cpu_us": {k: 1e6 * _cpu_delta(cpu0[k], cpu1[k]) / total for k in cpu0},
@@ -393,6 +404,7 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ordered = sorted(runs, key=lambda r: r["items_per_s"])
     out = dict(ordered[(len(ordered) - 1) // 2])
     out["all_rates"] = [r["items_per_s"] for r in runs]
+    out["all_peaks"] = [r["in_flight_peak"] for r in runs]
     out["double"] = sum(r["double"] for r in runs)
     return out
 
@@ -438,6 +450,8 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
             + "; ".join(
                 f"{r['num']}: " + ", ".join(_fmt_int(x) for x in r["all_rates"]) for r in rows
             )
+            + "; accounts in flight at the peak in every run: "
+            + "; ".join(f"{r['num']}: " + ", ".join(f"{x:,}" for x in r["all_peaks"]) for r in rows)
             + "."
         )
     lines.append(
@@ -469,6 +483,9 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=100.0, help="per-account quota, both sides")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario run")
     p.add_argument("--quick", action="store_true", help="small shapes (smoke)")
+    p.add_argument(
+        "--commands", action="store_true", help="also print Redis commands per item by command"
+    )
     args = p.parse_args()
     if args.runs < 1 or args.workers < 1:
         p.error("--runs and --workers must be at least 1")
@@ -499,6 +516,11 @@ def main() -> int:
     _bounds(rows)
     print()
     print(render(rows, args.runs))
+    if args.commands:
+        print()
+        for r in rows:
+            cmds = ", ".join(f"{k} {v:.2f}" for k, v in r["redis_by_cmd"].items())
+            print(f"Redis commands per item, {r['scenario']}: {cmds}")
     return 0 if all(r["double"] == 0 for r in rows) else 1
 
 
