@@ -47,7 +47,9 @@ log = get_logger("gateway.tokens")
 # a process-local copy of a token is dropped this long before the token comes due
 _LOCAL_MARGIN_MS = 100
 
-# owner-checked: release the refresh lock, and store a token only while holding it
+# read the token and take the refresh lock in one step; store a token (and release the lock)
+# only while holding it; release the lock when nothing was stored. All owner-checked.
+_CLAIM = lua.load("token_claim")
 _RELEASE = lua.load("token_release")
 _STORE = lua.load("token_store")
 
@@ -91,6 +93,7 @@ class TokenManager:
         self._fraction = refresh_fraction
         self._lock_ttl_ms = max(1000, int(lock_ttl * 1000))
         self._poll = poll_interval
+        self._claim = redis_client.register_script(_CLAIM)
         self._release = redis_client.register_script(_RELEASE)
         self._store = redis_client.register_script(_STORE)
         self._rng = random.Random()
@@ -147,33 +150,44 @@ class TokenManager:
             self._local.pop(account_id, None)
         deadline = time.monotonic() + self._lock_ttl_ms / 1000.0 + 2.0
         while True:
-            cur = self.cached(account_id)
-            usable = cur is not None and cur.token != rejected
-            if cur is not None and usable and not cur.due:
+            # one round trip: the token if it is good, else the refresh lock if free (the
+            # read and the lock are one step, so no re-read is needed under the lock)
+            owner = secrets.token_hex(12)
+            verdict, cur = self._claim_token(account_id, owner, rejected)
+            if verdict == "use" and cur is not None:
+                self._remember(account_id, cur.token, cur.remaining_ms - cur.lead_ms)
                 return cur.token
-            owner = self._try_lock(account_id)
-            if owner is not None:
+            if verdict == "refresh":
+                stored = False
                 try:
-                    # double-check under the lock: the previous holder may just have refreshed
-                    cur = self.cached(account_id)
-                    if cur is not None and cur.token != rejected and not cur.due:
-                        return cur.token
-                    return self._refresh(account_id, owner)
+                    token, stored = self._refresh(account_id, owner)
+                    return token
                 finally:
-                    self._release(keys=[self.lock_key(account_id)], args=[owner])
-            if cur is not None and usable:
+                    if not stored:
+                        # nothing stored (a failed request, an expired lock, an error): the
+                        # lock goes now, not at its TTL, so another process may try at once
+                        self._release(keys=[self.lock_key(account_id)], args=[owner])
+            if cur is not None and cur.token != rejected:
                 return cur.token  # due, but someone else is refreshing: it is still valid
             if time.monotonic() >= deadline:
                 return not_sent("token_wait_timeout", "timed out waiting for a token refresh")
             time.sleep(self._poll)
 
     # --- internals ----------------------------------------------------------------------
-    def _try_lock(self, account_id: str) -> str | None:
-        owner = secrets.token_hex(12)
-        ok = self._redis.set(self.lock_key(account_id), owner, nx=True, px=self._lock_ttl_ms)
-        return owner if ok else None
+    def _claim_token(
+        self, account_id: str, owner: str, rejected: str | None
+    ) -> tuple[str, CachedToken | None]:
+        """``lua/token_claim.lua``: ("use" | "refresh" | "wait", the valid token or None)."""
+        verdict, token, pttl, lead = self._claim(
+            keys=[self.token_key(account_id), self.lock_key(account_id)],
+            args=[owner, self._lock_ttl_ms, rejected or ""],
+        )
+        found = CachedToken(_s(token), int(pttl), int(lead)) if token else None
+        return _s(verdict), found
 
-    def _refresh(self, account_id: str, owner: str) -> str | GatewayResult:
+    def _refresh(self, account_id: str, owner: str) -> tuple[str | GatewayResult, bool]:
+        """Fetch and store a new token under the refresh lock ``owner`` holds; the result,
+        and whether it was stored (the store releases the lock)."""
         t0 = time.monotonic()
         try:
             resp = self._fetch(account_id)
@@ -182,11 +196,11 @@ class TokenManager:
             res = classify_transport_error(exc)
             log.warning("token_refresh_failed", account_id=account_id, error=res.error)
             # whatever happened at the gateway, no payment was sent: retry later
-            return not_sent(f"token_{res.reason}", f"token request: {res.error}")
+            return not_sent(f"token_{res.reason}", f"token request: {res.error}"), False
         token, expires_in = _parse_token(resp)
         if token is None or expires_in is None:
             GATEWAY_TOKEN_REFRESHES.labels(result=f"http_{resp.status_code}").inc()
-            return _token_failure(resp)
+            return _token_failure(resp), False
         GATEWAY_TOKEN_REFRESHES.labels(result="ok").inc()
         lifetime_ms = int(expires_in * 1000)
         # the gateway's clock started at or after t0; a small margin covers request transit
@@ -207,7 +221,7 @@ class TokenManager:
             lead_ms=lead_ms,
             stored=bool(stored),
         )
-        return token
+        return token, bool(stored)
 
 
 def _s(value: bytes | str) -> str:

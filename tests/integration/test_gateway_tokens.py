@@ -223,3 +223,41 @@ def test_a_fresh_token_is_served_from_the_process_copy_until_due(
     redis_client.hset(mgr.token_key(ACCT), "lead_ms", 10**9)
     assert mgr.cached(ACCT) is not None
     assert mgr._local.get(ACCT) is None
+
+
+class _Counting(redis.Redis):
+    """A client that counts the commands it sends (a script call is one round trip)."""
+
+    sent = 0
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.sent += 1
+        return super().execute_command(*args, **options)
+
+
+def test_a_refresh_takes_two_round_trips_and_a_shared_token_one(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    counting = _Counting(connection_pool=redis_client.connection_pool)
+    mgr = _manager(counting, gateway_sim.url, lock_ttl=5.0)
+    # first sight of the account: read-and-lock in one script, then store-and-release in one
+    token = mgr.get(ACCT)
+    assert isinstance(token, str) and counting.sent == 2
+    assert redis_client.get(mgr.lock_key(ACCT)) is None  # released by the store
+    # another process: one script reads the shared token, then its own copy costs nothing
+    other = _manager(counting, gateway_sim.url, lock_ttl=5.0)
+    counting.sent = 0
+    assert other.get(ACCT) == token and counting.sent == 1
+    assert other.get(ACCT) == token and counting.sent == 1
+    assert gateway_sim.ledger()["tokens_issued"] == 1
+
+
+def test_a_failed_refresh_releases_the_lock_at_once(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.script(ACCT, {"fault": "503", "endpoint": "token"})
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=30.0)
+    failed = mgr.get(ACCT)
+    assert not isinstance(failed, str)
+    assert redis_client.get(mgr.lock_key(ACCT)) is None  # not left for its 30 s TTL
+    assert isinstance(mgr.get(ACCT), str)  # the next caller refreshes at once

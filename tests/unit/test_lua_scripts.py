@@ -43,6 +43,7 @@ def test_the_scripts_are_there() -> None:
         "pace_return",
         "schedule_claim",
         "schedule_clear",
+        "token_claim",
         "token_release",
         "token_store",
     ]
