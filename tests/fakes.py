@@ -93,6 +93,7 @@ class FakeStore:
         self.dead_letters: list[tuple[int, str]] = []
         self.writes: list[list[ItemOutcome]] = []
         self.opened = 0
+        self.finishes = 0  # complete_and_next_due calls (one statement each)
         self._ids = itertools.count(1)
 
     def add(self, account_id: str, batch_pk: int, n: int, **kw: Any) -> list[Row]:
@@ -202,6 +203,10 @@ class FakeStore:
                 self.completed.append(pk)
                 done.append(f"batch-{pk}")
         return done
+
+    def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
+        self.finishes += 1
+        return self.complete_batches(account_id, token), self.seconds_until_next_due(account_id)
 
     def seconds_until_next_due(self, account_id: str) -> float | None:
         due = [

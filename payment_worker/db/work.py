@@ -225,11 +225,7 @@ def record_outcomes(
     return int(result[0]["updated"])
 
 
-_COMPLETE = text(f"""
-WITH {FENCE_CTE}
-UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = now(),
-    succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
-FROM (
+_COMPLETABLE = f"""
     SELECT batch_pk,
            count(*) FILTER (WHERE status = 'succeeded') AS succeeded,
            count(*) FILTER (WHERE status = 'failed') AS failed,
@@ -239,9 +235,35 @@ FROM (
       AND (CAST(:pks AS bigint[]) IS NULL OR batch_pk = ANY(CAST(:pks AS bigint[])))
     GROUP BY batch_pk
     HAVING bool_and(status IN ({_TERMINAL}))
-) s
+"""
+
+_COMPLETE_SET = """
+UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = now(),
+    succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
+"""
+
+_COMPLETE = text(f"""
+WITH {FENCE_CTE}
+{_COMPLETE_SET}
+FROM ({_COMPLETABLE}) s
 WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
 RETURNING b.batch_id
+""")
+
+# the end of a drain in one statement: complete what is complete, and tell when the next open
+# item is due (the UPDATE writes batches only, so the SELECT over transactions is unaffected)
+_COMPLETE_AND_NEXT_DUE = text(f"""
+WITH {FENCE_CTE},
+done AS (
+    {_COMPLETE_SET}
+    FROM ({_COMPLETABLE}) s
+    WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
+    RETURNING b.batch_id
+)
+SELECT ARRAY(SELECT batch_id FROM done) AS completed,
+       (SELECT min(next_attempt_at) FROM transactions
+        WHERE account_id = :acct AND status IN ({_OPEN})) AS due,
+       now() AS now
 """)
 
 
@@ -271,6 +293,19 @@ def seconds_until_next_due(conn: Connection, account_id: str) -> float | None:
     if due is None:
         return None
     return float((due - row.now).total_seconds())
+
+
+def complete_and_next_due(
+    conn: Connection, account_id: str, token: int
+) -> tuple[list[str], float | None]:
+    """:func:`complete_batches` (all of the account's) and :func:`seconds_until_next_due` in
+    one statement, as a drain ends: the completed batch ids, and the seconds until the next
+    open item is due (None: nothing open)."""
+    params = {**fence_params(account_id, token), "pks": None}
+    row = conn.execute(_COMPLETE_AND_NEXT_DUE, params).one()
+    due: datetime | None = row.due
+    wait = None if due is None else float((due - row.now).total_seconds())
+    return [str(b) for b in row.completed], wait
 
 
 def account_of_batch(conn: Connection, batch_id: str) -> str | None:
@@ -415,3 +450,8 @@ class PgWorkStore:
         """See :func:`seconds_until_next_due`."""
         with self._engine.connect() as conn:
             return seconds_until_next_due(conn, account_id)
+
+    def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
+        """See :func:`complete_and_next_due`."""
+        with self._engine.connect() as conn:
+            return complete_and_next_due(conn, account_id, token)

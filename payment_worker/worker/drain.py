@@ -210,8 +210,8 @@ class Drainer:
                         # a short chunk took everything due at the claim: no second claim,
                         # the account's finished batches and its next due time tell the rest
                         self._process_chunk(store, lock, token, items, report)
-                    store.complete_batches(account_id, token)
-                    wait = store.seconds_until_next_due(account_id)
+                    # one statement: the account's finished batches, and its next due time
+                    _, wait = store.complete_and_next_due(account_id, token)
                     if wait is None:
                         return
                     if self._stopping() or (wait <= 0 and self._clock() >= deadline):

@@ -42,6 +42,11 @@ class WorkStore(Protocol):
         """Seconds until the earliest open item is due (<= 0: now); None: nothing open."""
         ...
 
+    def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
+        """Both of the above as one statement (the end of a drain): the batches completed,
+        and the seconds until the next open item is due."""
+        ...
+
 
 class HeldLock(Protocol):
     """An account lock: taken once, checked before every side effect, released once."""

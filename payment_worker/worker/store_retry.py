@@ -162,3 +162,10 @@ class RetryingStore:
         return self._call(
             "seconds_until_next_due", lambda: self._store.seconds_until_next_due(account_id)
         )
+
+    def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
+        """See :meth:`WorkStore.complete_and_next_due`."""
+        return self._call(
+            "complete_and_next_due",
+            lambda: self._store.complete_and_next_due(account_id, token),
+        )

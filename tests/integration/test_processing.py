@@ -193,6 +193,45 @@ def test_old_holder_is_fenced_out(
         assert repo.complete_batches(conn, "acct-0000", new) == [batches[0]["batch_id"]]
 
 
+def test_complete_and_next_due_is_one_fenced_statement(
+    res: runtime.Runtime,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    from payment_worker.db import work as repo
+    from payment_worker.db.fences import next_fence_token
+    from payment_worker.domain.statuses import TxStatus
+    from payment_worker.domain.transitions import Decision, ItemOutcome
+
+    batches = make_batches(batches=2, items=2, accounts=1, prefix="cn")
+    _submit(batches)
+    with res.engine.connect() as c:
+        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+        token = next_fence_token(conn, "acct-0000")
+        # nothing terminal yet: nothing completed, the open items are due now
+        done, wait = repo.complete_and_next_due(conn, "acct-0000", token)
+        assert done == [] and wait is not None and wait <= 0
+        items = repo.claim_due(conn, "acct-0000", token, 2)  # the first batch's two items
+        ok = Decision(TxStatus.SUCCEEDED)
+        assert repo.record_outcomes(
+            conn, "acct-0000", token, [ItemOutcome(i.id, 1, 0, ok) for i in items]
+        )
+        # a stale holder completes nothing, and still learns when the rest is due
+        newer = next_fence_token(conn, "acct-0000")
+        done, wait = repo.complete_and_next_due(conn, "acct-0000", token)
+        assert done == [] and wait is not None and wait <= 0
+        done, wait = repo.complete_and_next_due(conn, "acct-0000", newer)
+        assert done == [batches[0]["batch_id"]] and wait is not None and wait <= 0
+        rest = repo.claim_due(conn, "acct-0000", newer, 10)
+        later = Decision(TxStatus.RETRYABLE, delay=30.0)
+        outcomes = [ItemOutcome(i.id, 1, 0, later) for i in rest]
+        assert repo.record_outcomes(conn, "acct-0000", newer, outcomes) == 2
+        done, wait = repo.complete_and_next_due(conn, "acct-0000", newer)
+        assert done == [] and wait is not None and 25 < wait <= 30
+        # nothing open at all
+        none = next_fence_token(conn, "acct-none")
+        assert repo.complete_and_next_due(conn, "acct-none", none) == ([], None)
+
+
 def test_a_fenced_out_drain_stops_and_counts_one_rejection(
     res: runtime.Runtime,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
