@@ -1,0 +1,85 @@
+"""CPU of one account's path, single-threaded and outside Celery (issue 13).
+
+    .venv/bin/python bench/account_path.py [--accounts 300] [--items 5] [--profile FILE]
+
+Submits ``--accounts`` batches of ``--items`` items, one account each, then calls
+``run_batch_task`` for each in this one thread against the simulator at zero latency (real
+Postgres, Redis and HTTP; no broker, no worker threads): the CPU seconds per account of the
+drain itself, without Celery and without the GIL contention of a loaded worker. Two runs with
+different ``--items`` separate the cost per account from the cost per item. ``--profile``
+writes a cProfile of the timed part (``python -m pstats FILE``). Uses DATABASE_URL /
+REDIS_URL when set, else the embedded servers; a scratch database, Redis dbs 13 and 14.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from _env import git_rev, machine, scratch
+
+WARM = 20  # accounts drained before the clock starts (connections, first tokens, imports)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--accounts", type=int, default=300)
+    p.add_argument("--items", type=int, default=5)
+    p.add_argument("--profile", help="write a cProfile of the timed part here")
+    args = p.parse_args()
+    if args.accounts <= WARM or args.items < 1:
+        p.error(f"--accounts must exceed {WARM} and --items be at least 1")
+    with scratch():
+        from payment_worker import runtime
+        from payment_worker.dev.local_cluster import LocalCluster
+        from payment_worker.dev.samples import make_batches
+        from payment_worker.ops.logging import configure_logging
+        from payment_worker.producer.submit import submit_batch
+        from payment_worker.worker.drain import run_batch_task
+
+        configure_logging("INFO", json_lines=True)
+        with LocalCluster(workdir=Path(tempfile.mkdtemp(prefix="pw-bench-path-"))) as cluster:
+            cluster.start_simulator(rate=1000, latency_ms=0)
+            os.environ.update(
+                GATEWAY_URL=cluster.env["GATEWAY_URL"],
+                GATEWAY_CLIENT_SECRET=cluster.env["GATEWAY_CLIENT_SECRET"],
+                GATEWAY_RATE_PER_SECOND="1000",
+            )
+            runtime.reset()
+            batches = make_batches(
+                batches=args.accounts, items=args.items, accounts=args.accounts, prefix="path"
+            )
+            for b in batches:
+                assert submit_batch(b, enqueue=False).status == "accepted"
+            rt = runtime.current()
+            for b in batches[:WARM]:
+                run_batch_task(b["batch_id"], rt, account_id=b["account_id"])
+            profiler = cProfile.Profile(time.process_time) if args.profile else None
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            if profiler is not None:
+                profiler.enable()
+            for b in batches[WARM:]:
+                report = run_batch_task(b["batch_id"], rt, account_id=b["account_id"])
+                assert report.result == "processed", report
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(args.profile)
+            cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    n = args.accounts - WARM
+    print(f"# account path  machine: {machine()}  commit: {git_rev()}")
+    print()
+    print("| accounts | items each | CPU ms per account | wall ms per account | profiled |")
+    print("|---|---|---|---|---|")
+    print(
+        f"| {n} | {args.items} | {1000 * cpu / n:.2f} | {1000 * wall / n:.2f} "
+        f"| {'yes' if args.profile else 'no'} |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
