@@ -237,6 +237,11 @@ _COMPLETABLE = f"""
     HAVING bool_and(status IN ({_TERMINAL}))
 """
 
+# the account's earliest open item's due time (NULL: nothing open)
+_NEXT_DUE_AT = f"""
+SELECT min(next_attempt_at) FROM transactions WHERE account_id = :acct AND status IN ({_OPEN})
+"""
+
 _COMPLETE_SET = """
 UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = now(),
     succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
@@ -260,10 +265,7 @@ done AS (
     WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
     RETURNING b.batch_id
 )
-SELECT ARRAY(SELECT batch_id FROM done) AS completed,
-       (SELECT min(next_attempt_at) FROM transactions
-        WHERE account_id = :acct AND status IN ({_OPEN})) AS due,
-       now() AS now
+SELECT ARRAY(SELECT batch_id FROM done) AS completed, ({_NEXT_DUE_AT}) AS due, now() AS now
 """)
 
 
@@ -280,27 +282,12 @@ def complete_batches(
     return list(conn.execute(_COMPLETE, params).scalars())
 
 
-_NEXT_DUE = text(f"""
-SELECT min(next_attempt_at) AS due, now() AS now FROM transactions
-WHERE account_id = :acct AND status IN ({_OPEN})
-""")
-
-
-def seconds_until_next_due(conn: Connection, account_id: str) -> float | None:
-    """Seconds until the account's earliest open item is due (<= 0: due now); None: no open item."""
-    row = conn.execute(_NEXT_DUE, {"acct": account_id}).one()
-    due: datetime | None = row.due
-    if due is None:
-        return None
-    return float((due - row.now).total_seconds())
-
-
 def complete_and_next_due(
     conn: Connection, account_id: str, token: int
 ) -> tuple[list[str], float | None]:
-    """:func:`complete_batches` (all of the account's) and :func:`seconds_until_next_due` in
-    one statement, as a drain ends: the completed batch ids, and the seconds until the next
-    open item is due (None: nothing open)."""
+    """As a drain ends, in one statement: :func:`complete_batches` (all of the account's), and
+    the seconds until the account's earliest open item is due (<= 0: now; None: nothing
+    open)."""
     params = {**fence_params(account_id, token), "pks": None}
     row = conn.execute(_COMPLETE_AND_NEXT_DUE, params).one()
     due: datetime | None = row.due
@@ -445,11 +432,6 @@ class PgWorkStore:
         """See :func:`complete_batches`."""
         with self._engine.connect() as conn:
             return complete_batches(conn, account_id, token, batch_pks)
-
-    def seconds_until_next_due(self, account_id: str) -> float | None:
-        """See :func:`seconds_until_next_due`."""
-        with self._engine.connect() as conn:
-            return seconds_until_next_due(conn, account_id)
 
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         """See :func:`complete_and_next_due`."""

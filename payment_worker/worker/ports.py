@@ -38,13 +38,10 @@ class WorkStore(Protocol):
         """Complete the account's batches whose items are all terminal."""
         ...
 
-    def seconds_until_next_due(self, account_id: str) -> float | None:
-        """Seconds until the earliest open item is due (<= 0: now); None: nothing open."""
-        ...
-
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
-        """Both of the above as one statement (the end of a drain): the batches completed,
-        and the seconds until the next open item is due."""
+        """As a drain ends, in one statement: complete all the account's batches whose items
+        are all terminal (their ids), and the seconds until its earliest open item is due
+        (<= 0: now; None: nothing open)."""
         ...
 
 

@@ -157,12 +157,6 @@ class RetryingStore:
             lambda: self._store.complete_batches(account_id, token, batch_pks),
         )
 
-    def seconds_until_next_due(self, account_id: str) -> float | None:
-        """See :meth:`WorkStore.seconds_until_next_due`."""
-        return self._call(
-            "seconds_until_next_due", lambda: self._store.seconds_until_next_due(account_id)
-        )
-
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         """See :meth:`WorkStore.complete_and_next_due`."""
         return self._call(

@@ -96,7 +96,7 @@ def test_each_store_call_and_the_fence_cost_one_round_trip(pw_env: PwEnv, tmp_pa
         start = trace_path.stat().st_size
         token = _fence(autocommit(engine), "acct-rt")
         assert store.claim_due("acct-rt", token, 5) == []
-        assert store.seconds_until_next_due("acct-rt") is None
+        assert store.complete_and_next_due("acct-rt", token) == ([], None)
         assert store.complete_batches("acct-rt", token) == []
         trace_file.flush()
         calls = trace_path.read_text()[start:]
