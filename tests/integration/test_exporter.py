@@ -172,18 +172,25 @@ def _sources(db_url: str, pw_env: PwEnv) -> Sources:
     return Sources(engine, rt.redis, redis.Redis.from_url(pw_env.broker_url), rt.keys)
 
 
-def test_unreachable_database_reports_up_zero_not_an_error(pw_env: PwEnv) -> None:
-    # a real fault: the database does not exist
-    url = urlunsplit(urlsplit(pw_env.database_url)._replace(path="/no_such_database_pw"))
-    sources = _sources(url, pw_env)
+def _collect_once(sources: Sources) -> tuple[dict[str, Any], float, dict[str, float]]:
+    """One collection (the engine disposed after): the families by name, the overall up
+    gauge, and the up gauge of each source."""
     try:
         families = {f.name: f for f in StateCollector(sources).collect()}
     finally:
         sources.engine.dispose()
-    assert [s.value for s in families["payment_worker_exporter_up"].samples] == [0]
+    (up,) = [s.value for s in families["payment_worker_exporter_up"].samples]
     ups = {
         s.labels["source"]: s.value for s in families["payment_worker_exporter_source_up"].samples
     }
+    return families, up, ups
+
+
+def test_unreachable_database_reports_up_zero_not_an_error(pw_env: PwEnv) -> None:
+    # a real fault: the database does not exist
+    url = urlunsplit(urlsplit(pw_env.database_url)._replace(path="/no_such_database_pw"))
+    families, up, ups = _collect_once(_sources(url, pw_env))
+    assert up == 0
     assert ups == {"postgres": 0, "redis": 1, "broker": 1}
     # what could be read is still served; nothing of Postgres is
     assert "payment_worker_queue_messages" in families
@@ -194,15 +201,10 @@ def test_a_broker_that_is_not_redis_serves_everything_but_queue_depths(pw_env: P
     # the runtime has no broker client for, say, RabbitMQ (Runtime.broker_redis is None):
     # the exporter serves the rest and says nothing of a source it cannot read
     sources = _sources(pw_env.database_url, pw_env)
-    sources = Sources(sources.engine, sources.app_redis, None, sources.keys)
-    try:
-        families = {f.name: f for f in StateCollector(sources).collect()}
-    finally:
-        sources.engine.dispose()
-    assert [s.value for s in families["payment_worker_exporter_up"].samples] == [1]
-    ups = {
-        s.labels["source"]: s.value for s in families["payment_worker_exporter_source_up"].samples
-    }
+    families, up, ups = _collect_once(
+        Sources(sources.engine, sources.app_redis, None, sources.keys)
+    )
+    assert up == 1
     assert ups == {"postgres": 1, "redis": 1}
     assert "payment_worker_queue_messages" not in families
     assert "payment_worker_transactions" in families

@@ -9,10 +9,18 @@ import psycopg
 import pytest
 
 from payment_worker import runtime
+from payment_worker.db import work as repo
+from payment_worker.db.engine import autocommit
+from payment_worker.db.fences import next_fence_token
 from payment_worker.dev.reconcile import reconcile
 from payment_worker.dev.samples import make_batches
+from payment_worker.domain.payment_request import PaymentRequest
+from payment_worker.domain.statuses import DeadReason, TxStatus
+from payment_worker.domain.transitions import Decision, ItemOutcome
+from payment_worker.errors import FencedOut
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker import drain as processing
+from payment_worker.worker.queueing import ACCOUNT_HEADER, enqueue_batch
 from tests.conftest import PwEnv
 from tests.sim_fixtures import SimHandle
 
@@ -129,19 +137,14 @@ def test_crash_between_intent_and_outcome_is_looked_up(
     gateway_sim: SimHandle,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
-    from payment_worker.db import work as repo
-
     batches = make_batches(batches=1, items=3, accounts=1, prefix="x")
     _submit(batches)
     # a holder records intent, then "crashes" before any outcome is written
     lock = res.account_lock("acct-0000")
     assert lock.acquire()
-    with res.engine.connect() as c:
-        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+    with autocommit(res.engine).connect() as conn:
         items = repo.claim_due(conn, "acct-0000", lock.fence_token or 0, 10)
     # ... and it did pay the first one before dying
-    from payment_worker.domain.payment_request import PaymentRequest
-
     it = items[0]
     req = PaymentRequest(
         it.account_id, it.transaction_id, it.amount, it.currency, it.beneficiary, it.description
@@ -161,16 +164,9 @@ def test_old_holder_is_fenced_out(
     res: runtime.Runtime,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
-    from payment_worker.db import work as repo
-    from payment_worker.db.fences import next_fence_token
-    from payment_worker.domain.statuses import TxStatus
-    from payment_worker.domain.transitions import Decision, ItemOutcome
-    from payment_worker.errors import FencedOut
-
     batches = make_batches(batches=1, items=2, accounts=1, prefix="f")
     _submit(batches)
-    with res.engine.connect() as c:
-        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+    with autocommit(res.engine).connect() as conn:
         old = next_fence_token(conn, "acct-0000")
         items = repo.claim_due(conn, "acct-0000", old, 10)
         assert len(items) == 2
@@ -197,15 +193,9 @@ def test_complete_and_next_due_is_one_fenced_statement(
     res: runtime.Runtime,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
-    from payment_worker.db import work as repo
-    from payment_worker.db.fences import next_fence_token
-    from payment_worker.domain.statuses import TxStatus
-    from payment_worker.domain.transitions import Decision, ItemOutcome
-
     batches = make_batches(batches=2, items=2, accounts=1, prefix="cn")
     _submit(batches)
-    with res.engine.connect() as c:
-        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+    with autocommit(res.engine).connect() as conn:
         token = next_fence_token(conn, "acct-0000")
         # nothing terminal yet: nothing completed, the open items are due now
         done, wait = repo.complete_and_next_due(conn, "acct-0000", token)
@@ -238,9 +228,6 @@ def test_a_fenced_out_drain_stops_and_counts_one_rejection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from prometheus_client import REGISTRY
-
-    from payment_worker.db import work as repo
-    from payment_worker.db.fences import next_fence_token
 
     batches = make_batches(batches=1, items=2, accounts=1, prefix="r")
     _submit(batches)
@@ -290,11 +277,6 @@ def test_a_terminal_row_never_moves_back(
     res: runtime.Runtime,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
-    from payment_worker.db import work as repo
-    from payment_worker.db.fences import next_fence_token
-    from payment_worker.domain.statuses import DeadReason, TxStatus
-    from payment_worker.domain.transitions import Decision, ItemOutcome
-
     batches = make_batches(batches=1, items=2, accounts=1, prefix="t", reject_every=2)
     _submit(batches)
     processing.run_account("acct-0000", batches[0]["batch_id"], res)
@@ -302,8 +284,7 @@ def test_a_terminal_row_never_moves_back(
     assert [r[1] for r in before] == ["succeeded", "failed"]
     # a late writer (a slow holder's outcome, a replayed answer) records over final rows:
     # with a current token, so only the state condition can stop it
-    with res.engine.connect() as base:
-        conn = base.execution_options(isolation_level="AUTOCOMMIT")
+    with autocommit(res.engine).connect() as conn:
         token = next_fence_token(conn, "acct-0000")
         late = [
             ItemOutcome(
@@ -334,8 +315,6 @@ def test_the_account_from_the_message_header_spares_the_lookup(
     import json
 
     import redis
-
-    from payment_worker.worker.queueing import ACCOUNT_HEADER, enqueue_batch
 
     batches = make_batches(batches=1, items=3, accounts=1, prefix="h")
     _submit(batches)
