@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from payment_worker.db.work import ClaimedItem
+from payment_worker.db.work import Claim, ClaimedItem
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.statuses import (
     IN_DOUBT_TX_STATUSES,
@@ -94,6 +94,7 @@ class FakeStore:
         self.writes: list[list[ItemOutcome]] = []
         self.opened = 0
         self.finishes = 0  # complete_and_next_due calls (one statement each)
+        self.claims = 0  # claim_due calls (one statement each)
         self._ids = itertools.count(1)
 
     def add(self, account_id: str, batch_pk: int, n: int, **kw: Any) -> list[Row]:
@@ -122,7 +123,8 @@ class FakeStore:
             raise FencedOut(f"fencing token {token} of account {account_id} is not current")
 
     # --- the WorkStore port --------------------------------------------------------------
-    def claim_due(self, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
+    def claim_due(self, account_id: str, token: int, limit: int) -> Claim:
+        self.claims += 1
         self._fence(account_id, token)
         due = sorted(
             (
@@ -133,8 +135,9 @@ class FakeStore:
                 and r.due_at <= self.clock()
             ),
             key=lambda r: (r.batch_pk, r.id),
-        )[:limit]
-        claimed = []
+        )
+        claimed = Claim(more_due=len(due) > limit)
+        due = due[:limit]
         now = self.clock()
         for r in due:
             if r.status in SENDABLE_TX_STATUSES:
@@ -206,6 +209,7 @@ class FakeStore:
 
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         self.finishes += 1
+        self._fence(account_id, token)
         return self.complete_batches(account_id, token), self.seconds_until_next_due(account_id)
 
     def seconds_until_next_due(self, account_id: str) -> float | None:

@@ -11,7 +11,7 @@ the write to commit, so the order is strict.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -57,6 +57,16 @@ class ClaimedItem:
     doubt_age: float | None = None
 
 
+class Claim(list[ClaimedItem]):
+    """The items one claim took, in batch order, and whether more were due than it took."""
+
+    def __init__(self, items: Iterable[ClaimedItem] = (), *, more_due: bool = False) -> None:
+        super().__init__(items)
+        # more items were due (and not locked) than the limit let it take: claim again
+        # before completing; False lets the drain end without a second, empty claim
+        self.more_due = more_due
+
+
 # the status lists of the statements below, rendered once
 _OPEN = sql_values(OPEN_TX_STATUSES)
 _IN_DOUBT = sql_values(IN_DOUBT_TX_STATUSES)
@@ -69,27 +79,29 @@ _TERMINAL = sql_values(TERMINAL_TX_STATUSES)
 _CLAIM = text(f"""
 WITH {FENCE_CTE},
 due AS (
-    SELECT t.id, t.status AS prev FROM transactions t, fence
+    SELECT t.id, t.batch_pk, t.status AS prev FROM transactions t, fence
     WHERE t.account_id = :acct
       AND t.status IN ({_OPEN})
       AND t.next_attempt_at <= now()
     ORDER BY t.batch_pk, t.id
-    LIMIT :n
+    -- one row past the limit only tells whether more is due: it is not claimed
+    LIMIT :n + 1
     FOR UPDATE OF t SKIP LOCKED
 ),
+pick AS (SELECT id, prev FROM due ORDER BY batch_pk, id LIMIT :n),
 upd AS (
     UPDATE transactions t SET
-        status = CASE WHEN due.prev IN ({_SENDABLE})
+        status = CASE WHEN pick.prev IN ({_SENDABLE})
                       THEN 'dispatching' ELSE 'unknown' END,
-        attempts = t.attempts + CASE WHEN due.prev IN ({_SENDABLE}) THEN 1 ELSE 0 END,
+        attempts = t.attempts + CASE WHEN pick.prev IN ({_SENDABLE}) THEN 1 ELSE 0 END,
         -- a crashed holder's send (its dispatched_at, the old value here) is now in doubt
-        doubt_since = CASE WHEN due.prev = 'dispatching'
+        doubt_since = CASE WHEN pick.prev = 'dispatching'
                            THEN COALESCE(t.doubt_since, t.dispatched_at, t.created_at)
                            ELSE t.doubt_since END,
         dispatched_at = now(),
         fence_token = :tok,
         updated_at = now()
-    FROM due WHERE t.id = due.id
+    FROM pick WHERE t.id = pick.id
     RETURNING t.id, t.batch_pk, t.account_id, t.transaction_id, t.amount, t.currency,
               t.beneficiary, t.description, t.idempotency_key, t.status, t.attempts, t.lookups,
               EXTRACT(EPOCH FROM now() - t.doubt_since)::float8 AS doubt_age
@@ -99,18 +111,22 @@ started AS (
     WHERE b.id IN (SELECT batch_pk FROM upd) AND b.status = 'pending'
 )
 -- one row even when nothing was claimed, so the fence verdict needs no second query
-SELECT upd.*, k.request_fingerprint, f.fenced_ok
+SELECT upd.*, k.request_fingerprint, f.fenced_ok, m.more_due
 FROM (SELECT count(*) AS fenced_ok FROM fence) f
+CROSS JOIN (SELECT count(*) > :n AS more_due FROM due) m
 LEFT JOIN upd ON true
 LEFT JOIN idempotency_keys k ON k.transaction_pk = upd.id
 ORDER BY upd.batch_pk, upd.id
 """)
 
 
-def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
-    """Claim up to ``limit`` due items of the account (fenced); [] when nothing is due."""
+def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> Claim:
+    """Claim up to ``limit`` due items of the account (fenced); empty when nothing is due.
+
+    ``more_due`` on the answer says whether more than ``limit`` were due: one statement
+    tells the drain both what to send and whether to claim again."""
     rows = execute_fenced(conn, _CLAIM, {"n": limit}, account_id=account_id, token=token)
-    return [
+    items = [
         ClaimedItem(
             id=r["id"],
             batch_pk=r["batch_pk"],
@@ -130,6 +146,7 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> list
         for r in rows
         if r["id"] is not None
     ]
+    return Claim(items, more_due=bool(rows and rows[0]["more_due"]))
 
 
 _RECORD = text(f"""
@@ -265,7 +282,8 @@ done AS (
     WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
     RETURNING b.batch_id
 )
-SELECT ARRAY(SELECT batch_id FROM done) AS completed, ({_NEXT_DUE_AT}) AS due, now() AS now
+SELECT ARRAY(SELECT batch_id FROM done) AS completed, ({_NEXT_DUE_AT}) AS due, now() AS now,
+       (SELECT count(*) FROM fence) AS fenced_ok
 """)
 
 
@@ -287,12 +305,14 @@ def complete_and_next_due(
 ) -> tuple[list[str], float | None]:
     """As a drain ends, in one statement: :func:`complete_batches` (all of the account's), and
     the seconds until the account's earliest open item is due (<= 0: now; None: nothing
-    open)."""
-    params = {**fence_params(account_id, token), "pks": None}
-    row = conn.execute(_COMPLETE_AND_NEXT_DUE, params).one()
-    due: datetime | None = row.due
-    wait = None if due is None else float((due - row.now).total_seconds())
-    return [str(b) for b in row.completed], wait
+    open). A stale ``token`` raises :class:`~payment_worker.errors.FencedOut`: this is the
+    last statement of a drain, so a holder replaced after its last record learns it here."""
+    [row] = execute_fenced(
+        conn, _COMPLETE_AND_NEXT_DUE, {"pks": None}, account_id=account_id, token=token
+    )
+    due: datetime | None = row["due"]
+    wait = None if due is None else float((due - row["now"]).total_seconds())
+    return [str(b) for b in row["completed"]], wait
 
 
 def account_of_batch(conn: Connection, batch_id: str) -> str | None:
@@ -416,7 +436,7 @@ class PgWorkStore:
         """A store on ``engine``'s pool for one drain (nothing to give back at the end)."""
         yield cls(autocommit(engine))
 
-    def claim_due(self, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
+    def claim_due(self, account_id: str, token: int, limit: int) -> Claim:
         """See :func:`claim_due`."""
         with self._engine.connect() as conn:
             return claim_due(conn, account_id, token, limit)

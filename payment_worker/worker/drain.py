@@ -192,9 +192,9 @@ class Drainer:
                         return
                     items = store.claim_due(account_id, token, limits.chunk_size)
                     lock.progress()
-                    if len(items) == limits.chunk_size:
+                    if items.more_due:
                         self._process_chunk(store, lock, token, items, report)
-                        # a full chunk: more may be due. Items are claimed in batch order,
+                        # more was due than one chunk. Items are claimed in batch order,
                         # so a batch followed by another in it has nothing more to claim
                         done = {i.batch_pk for i in items}
                         done.discard(items[-1].batch_pk)
@@ -207,8 +207,8 @@ class Drainer:
                         report.shutdown = self._stopping()
                         return
                     if items:
-                        # a short chunk took everything due at the claim: no second claim,
-                        # the account's finished batches and its next due time tell the rest
+                        # the chunk took everything due at the claim: no second claim, the
+                        # account's finished batches and its next due time tell the rest
                         self._process_chunk(store, lock, token, items, report)
                     # one statement: the account's finished batches, and its next due time
                     _, wait = store.complete_and_next_due(account_id, token)

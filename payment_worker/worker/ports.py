@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from payment_worker.db.work import ClaimedItem
+from payment_worker.db.work import Claim
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.transitions import ItemOutcome
 from payment_worker.gateway.outcomes import GatewayResult
@@ -24,8 +24,9 @@ class WorkStore(Protocol):
     """One drain's database: every call is one short statement, writes are fenced (a stale
     ``token`` raises :class:`~payment_worker.errors.FencedOut`)."""
 
-    def claim_due(self, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
-        """Claim up to ``limit`` due items: intent recorded before any send."""
+    def claim_due(self, account_id: str, token: int, limit: int) -> Claim:
+        """Claim up to ``limit`` due items: intent recorded before any send; ``more_due``
+        says whether more than ``limit`` were due."""
         ...
 
     def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
@@ -41,7 +42,7 @@ class WorkStore(Protocol):
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         """As a drain ends, in one statement: complete all the account's batches whose items
         are all terminal (their ids), and the seconds until its earliest open item is due
-        (<= 0: now; None: nothing open)."""
+        (<= 0: now; None: nothing open). Fenced: a stale ``token`` raises FencedOut."""
         ...
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from payment_worker.db.retry import transient_reason
-from payment_worker.db.work import ClaimedItem
+from payment_worker.db.work import Claim
 from payment_worker.domain.retry import Backoff
 from payment_worker.domain.transitions import ItemOutcome
 from payment_worker.errors import DatabaseUnavailable
@@ -138,7 +138,7 @@ class RetryingStore:
             what, fn, account_id=self._account_id, between_tries=self._between_tries
         )
 
-    def claim_due(self, account_id: str, token: int, limit: int) -> list[ClaimedItem]:
+    def claim_due(self, account_id: str, token: int, limit: int) -> Claim:
         """See :meth:`WorkStore.claim_due`."""
         return self._call("claim_due", lambda: self._store.claim_due(account_id, token, limit))
 

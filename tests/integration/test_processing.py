@@ -43,6 +43,11 @@ def _submit(batches: list[dict[str, Any]]) -> None:
         assert submit_batch(b, enqueue=False).status == "accepted"
 
 
+def _batch_statuses(db_conn: psycopg.Connection) -> dict[str, int]:  # type: ignore[type-arg]
+    rows = db_conn.execute("SELECT status, count(*) FROM batches GROUP BY status").fetchall()
+    return {r[0]: r[1] for r in rows}
+
+
 def _statuses(db_conn: psycopg.Connection) -> dict[str, int]:  # type: ignore[type-arg]
     rows = db_conn.execute("SELECT status, count(*) FROM transactions GROUP BY status").fetchall()
     return {r[0]: r[1] for r in rows}
@@ -205,10 +210,11 @@ def test_complete_and_next_due_is_one_fenced_statement(
         assert repo.record_outcomes(
             conn, "acct-0000", token, [ItemOutcome(i.id, 1, 0, ok) for i in items]
         )
-        # a stale holder completes nothing, and still learns when the rest is due
+        # a stale holder completes nothing: it learns that it was replaced
         newer = next_fence_token(conn, "acct-0000")
-        done, wait = repo.complete_and_next_due(conn, "acct-0000", token)
-        assert done == [] and wait is not None and wait <= 0
+        with pytest.raises(FencedOut):
+            repo.complete_and_next_due(conn, "acct-0000", token)
+        assert _batch_statuses(db_conn) == {"processing": 1, "pending": 1}
         done, wait = repo.complete_and_next_due(conn, "acct-0000", newer)
         assert done == [batches[0]["batch_id"]] and wait is not None and wait <= 0
         rest = repo.claim_due(conn, "acct-0000", newer, 10)
@@ -220,6 +226,39 @@ def test_complete_and_next_due_is_one_fenced_statement(
         # nothing open at all
         none = next_fence_token(conn, "acct-none")
         assert repo.complete_and_next_due(conn, "acct-none", none) == ([], None)
+
+
+def test_a_claim_says_whether_more_is_due_and_claims_only_its_limit(
+    res: runtime.Runtime,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    """Issue 13: the claim looks one row past its limit, so the drain knows without a
+    second, empty claim that it took the last due item; that row is not claimed."""
+    batches = make_batches(batches=2, items=2, accounts=1, prefix="md")
+    _submit(batches)
+    with autocommit(res.engine).connect() as conn:
+        token = next_fence_token(conn, "acct-0000")
+        first = repo.claim_due(conn, "acct-0000", token, 3)
+        assert len(first) == 3 and first.more_due
+        assert _statuses(db_conn) == {"dispatching": 3, "pending": 1}
+        ok = Decision(TxStatus.SUCCEEDED)
+        assert repo.record_outcomes(
+            conn, "acct-0000", token, [ItemOutcome(i.id, 1, 0, ok) for i in first]
+        )
+        # the one left fills the next claim exactly: nothing more is due
+        last = repo.claim_due(conn, "acct-0000", token, 1)
+        assert len(last) == 1 and not last.more_due
+        later = Decision(TxStatus.RETRYABLE, delay=30.0)
+        outcome = ItemOutcome(last[0].id, 1, 0, later)
+        assert repo.record_outcomes(conn, "acct-0000", token, [outcome])
+        # a row that is open but not due yet is not "more due"
+        rest = repo.claim_due(conn, "acct-0000", token, 1)
+        assert list(rest) == [] and not rest.more_due
+        assert _statuses(db_conn) == {"succeeded": 3, "retryable": 1}
+        # a stale holder is still fenced out
+        next_fence_token(conn, "acct-0000")
+        with pytest.raises(FencedOut):
+            repo.claim_due(conn, "acct-0000", token, 1)
 
 
 def test_a_fenced_out_drain_stops_and_counts_one_rejection(

@@ -309,8 +309,8 @@ def test_a_batch_left_processing_with_every_item_terminal_is_completed(
     from payment_worker.db.fences import next_fence_token
     from payment_worker.worker import drain
 
-    # the batch's last chunk is exactly full, and the drain ends right after recording it:
-    # another holder took the account over (it "crashes" before doing anything)
+    # the drain is fenced out right after recording the batch's last chunk: another holder
+    # took the account over (it "crashes" before doing anything), so nobody completes it
     monkeypatch.setattr(srt.settings, "process_chunk_size", 3)
     _save("b-full", "acct-1", srt, n=3)
     real_record = repo.record_outcomes

@@ -107,6 +107,20 @@ def test_claim_send_record_and_complete(w: World) -> None:
     assert w.store.opened == 1 and w.holders == {} and w.queue.marks == set()
 
 
+@pytest.mark.parametrize(("items", "claims"), [(5, 1), (10, 2), (12, 3), (3, 1)])
+def test_a_claim_that_takes_the_last_due_item_is_not_followed_by_an_empty_one(
+    w: World, items: int, claims: int
+) -> None:
+    """Issue 13: an account whose due items filled its last chunk exactly (20 items, chunks
+    of 20) cost one more claim that found nothing; the claim now says whether more is due."""
+    w.store.add(ACCT, 1, items)
+    report = w.run()
+    assert report.items == items  # type: ignore[attr-defined]
+    assert w.store.statuses() == {"succeeded": items}
+    assert w.store.claims == claims  # chunks of 5: one claim per chunk, none empty
+    assert w.store.finishes == 1 and w.store.completed == [1]
+
+
 def test_the_holder_gives_its_pacing_back_while_it_still_holds_the_lock(w: World) -> None:
     w.store.add(ACCT, 1, 3)
     held_then: list[bool] = []
