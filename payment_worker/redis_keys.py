@@ -99,6 +99,11 @@ class RedisKeys:
         """A worker process's liveness key (its own hash tag: not per account)."""
         return f"{self.prefix}:alive:{{{holder_id}}}"
 
+    def holders(self) -> str:
+        """The holders that beat lately: a sorted set of holder id -> last beat (ms since the
+        epoch, the beater's clock), so the sweeper can tell whether any holder died."""
+        return f"{self.prefix}:holders"
+
     # --- the gateway (payment_worker.gateway) ---------------------------------------------
     def token(self, account_id: str) -> str:
         """The account's shared access token (hash ``token``, ``lead_ms``)."""

@@ -17,6 +17,10 @@ taken over in seconds instead of after the lock's TTL.
   ``AccountLock.ensure_held`` (right before every send) checks it, so a process resumed
   after SIGSTOP stops before any send, whichever of its threads runs first.
 
+* Each heartbeat also registers the holder (``{prefix}:holders``, holder id -> last beat), so
+  the sweeper learns in two round trips whether any holder died (:func:`dead_holders`) and
+  reads every account's lock only then.
+
 Redis Cluster: the liveness key has its own hash tag, another slot than ``{account}``.
 The takeover script therefore touches only the lock key; the liveness check is a separate,
 earlier read. That is safe because a holder whose key a taker saw missing has, by the rule
@@ -111,6 +115,7 @@ class Liveness:
             raise ValueError("need interval_ms > 0 and 0 <= margin_ms < ttl_ms")
         self.holder_id = holder_id or make_holder_id()
         self.key = keys.alive(self.holder_id)
+        self._registry = keys.holders()
         self.ttl_ms = ttl_ms
         self.interval = interval_ms / 1000
         # a lock is trusted while the last good beat was sent less than this long ago
@@ -135,8 +140,14 @@ class Liveness:
             if self._stopping.is_set():
                 return False
             sent = self._clock()
+            # one round trip: the key, and the holder's entry in the registry, so a holder
+            # vouched for (the only kind that takes locks) is always registered; the sweeper
+            # reads the locks of recently written accounts only while a registered one is dead
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(self.key, os.getpid(), px=self.ttl_ms, get=True)
+            pipe.zadd(self._registry, {self.holder_id: int(time.time() * 1000)})
             try:
-                old = self._client.set(self.key, os.getpid(), px=self.ttl_ms, get=True)
+                old = pipe.execute()[0]
             except RedisError as exc:
                 LIVENESS_BEATS.labels("error").inc()
                 log.warning("liveness_beat_failed", holder=self.holder_id, error=str(exc))
@@ -191,7 +202,12 @@ class Liveness:
             thread.join(timeout)
         if forget and thread is not None:
             try:
-                self._client.delete(self.key)
+                # out of the registry as well: a lock still held is then found by staleness
+                # (SWEEPER_STALE_AFTER), not by a sweeper reading every lock for a while
+                pipe = self._client.pipeline(transaction=False)
+                pipe.delete(self.key)
+                pipe.zrem(self._registry, self.holder_id)
+                pipe.execute()
             except RedisError as exc:
                 log.warning("liveness_forget_failed", holder=self.holder_id, error=str(exc))
 
@@ -237,6 +253,20 @@ def alive_holders(client: redis.Redis, keys: RedisKeys, holders: Sequence[str]) 
     for holder in holders:
         pipe.exists(keys.alive(holder))
     return {h for h, n in zip(holders, pipe.execute(), strict=True) if n}
+
+
+def dead_holders(client: redis.Redis, keys: RedisKeys, keep_ms: int) -> set[str]:
+    """Registered holders whose liveness key is gone: each died or paused (its locks may
+    still be held). Entries older than ``keep_ms`` are dropped first: a holder silent that
+    long holds no lock any more (locks expire after their TTL without renewals), and a
+    paused one registers again with its next beat. Two round trips."""
+    now_ms = int(time.time() * 1000)
+    pipe = client.pipeline(transaction=False)
+    pipe.zremrangebyscore(keys.holders(), "-inf", f"({now_ms - keep_ms}")
+    pipe.zrange(keys.holders(), 0, -1)
+    _, members = pipe.execute()
+    registered = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+    return set(registered) - alive_holders(client, keys, registered)
 
 
 def read_locks(

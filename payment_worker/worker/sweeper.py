@@ -6,11 +6,13 @@ away at once, owner-checked), or the lock is free and the items saw no write for
 ``SWEEPER_STALE_AFTER`` seconds (2 s: a fresh submission's message is on its way meanwhile).
 A free account whose last message is still waiting in the broker behind a backlog is left to
 that message (the ``queued`` mark against the oldest waiting message's publish time:
-:func:`_messages_on_their_way`). It enqueues one of their batches. The horizon is
-therefore liveness: a killed or paused holder's accounts, a broker that lost messages (a
-flush, a Redis restart without persistence), a submission made while the broker was down, a
-delayed message lost with its worker, and items left ``dispatching``/``unknown`` by a crash
-all move again within a few seconds.
+:func:`_messages_on_their_way`), and behind a backlog the stale period is that much longer.
+Locks are read only for those stale accounts, unless a registered holder process is dead
+(``liveness.dead_holders``): then for every account with due work. It enqueues one of
+their batches. The horizon is therefore liveness: a killed or paused holder's accounts, a
+broker that lost messages (a flush, a Redis restart without persistence), a submission made
+while the broker was down, a delayed message lost with its worker, and items left
+``dispatching``/``unknown`` by a crash all move again within a few seconds.
 Those in-doubt items are resolved by lookup by the next lock holder, under the account lock
 and its fencing token, never by the sweeper itself, so even repair cannot race a holder.
 
@@ -44,6 +46,7 @@ from payment_worker.db import work as repo
 from payment_worker.locks.liveness import (
     READ_CHUNK,
     alive_holders,
+    dead_holders,
     holder_of,
     read_locks,
     take_over,
@@ -140,13 +143,27 @@ def run_sweep(res: Runtime) -> dict[str, Any]:
 SWEEP_LIMIT = 10_000
 
 
+def holder_keep_ms(s: Settings) -> int:
+    """How long a silent holder stays in the registry (``liveness.dead_holders``): well past
+    the lock TTL, after which none of its locks can remain, with room for clock skew."""
+    return 2 * s.lock_ttl_ms + 60_000
+
+
 def _sweep(res: Runtime) -> dict[str, Any]:
     s = res.settings
+    # A free account counts as stale (its message lost) only after no write for
+    # SWEEPER_STALE_AFTER plus the age of the oldest message still waiting: behind a backlog
+    # a message waits that long, and a repair would wait behind it as well. So the query
+    # returns the few accounts that may need repair, not every account of the backlog (each
+    # of which would cost Redis reads, every pass).
+    backlog_ms = _backlog_ms(res)
+    stale = s.sweeper_stale_after + backlog_ms / 1000
+    # while a registered holder is dead, every account with due work: its accounts are taken
+    # over however recently they were written. Otherwise the stale ones only (a dead holder
+    # that never registered is found that way too, as its accounts go stale)
+    every = bool(dead_holders(res.redis, res.keys, holder_keep_ms(s)))
     with res.engine.connect() as conn:
-        # every account with due work: a dead holder's account is taken over however
-        # recently it was written; a free one is re-enqueued only once it is stale (a fresh
-        # submission's or a hand-off's message is on its way)
-        stalled = repo.stalled_accounts(conn, s.sweeper_stale_after, SWEEP_LIMIT, every=True)
+        stalled = repo.stalled_accounts(conn, stale, SWEEP_LIMIT, every=every)
         seen = {acct.account_id for acct in stalled}
         stalled += [
             acct
@@ -161,7 +178,9 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     # of the free, stale ones (few: held accounts are the many), whose message is on its way
     # and which a task took since the read above
     on_its_way, taken_since = _messages_on_their_way(
-        res, [a.account_id for a, v in zip(stalled, values, strict=True) if v is None and a.stale]
+        res,
+        [a.account_id for a, v in zip(stalled, values, strict=True) if v is None and a.stale],
+        int(s.sweeper_stale_after * 1000) + backlog_ms,
     )
     # the query above is a moment old by now (a slow pass under load: most of a second): an
     # account that looks free and unmarked may have been drained by a holder meanwhile, so
@@ -176,7 +195,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     ]
     if free:
         with res.engine.connect() as conn:
-            still = repo.still_stalled(conn, free, s.sweeper_stale_after)
+            still = repo.still_stalled(conn, free, stale)
         drained = set(free) - still
     else:
         drained = set()
@@ -245,15 +264,31 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     }
 
 
-def _messages_on_their_way(res: Runtime, account_ids: list[str]) -> tuple[set[str], set[str]]:
+def _backlog_ms(res: Runtime) -> int:
+    """How long the oldest message still waiting in the payments queue has waited (ms); 0
+    without a Redis broker to read, or when it cannot be read."""
+    broker = res.broker_redis
+    if broker is None:
+        return 0
+    try:
+        oldest = oldest_enqueued_ms(broker, PAYMENTS_QUEUE, ENQUEUED_HEADER)
+    except Exception as exc:  # the broker's own trouble: judge without the backlog
+        log.warning("sweep_broker_unreadable", error=repr(exc))
+        return 0
+    return max(0, int(time.time() * 1000) - oldest) if oldest is not None else 0
+
+
+def _messages_on_their_way(
+    res: Runtime, account_ids: list[str], horizon_ms: int
+) -> tuple[set[str], set[str]]:
     """Of free, stale accounts: those whose message is most likely still waiting in the
     broker, and those whose lock a task has taken since it was read.
 
-    On its way: published (the ``queued`` mark) less than ``SWEEPER_STALE_AFTER`` before the
-    oldest message still waiting was. A backlog delays every message alike, so a repair
-    would only run after the original; a lost message (a broker flush empties the queue) is
-    repaired ``SWEEPER_STALE_AFTER`` after the oldest message still waiting was published,
-    at the latest. Without a Redis broker to read, the backlog counts as none.
+    On its way: published (the ``queued`` mark) less than ``horizon_ms`` ago, which is
+    ``SWEEPER_STALE_AFTER`` plus the wait of the oldest message still waiting. A backlog
+    delays every message alike, so a repair would only run after the original; a lost
+    message (a broker flush empties the queue) is repaired ``SWEEPER_STALE_AFTER`` after the
+    oldest message still waiting was published, at the latest.
 
     Each account's mark is read, then its lock again, in that order in one pipeline: a task
     that started after the first lock read has deleted the mark as it took the lock, so the
@@ -262,16 +297,6 @@ def _messages_on_their_way(res: Runtime, account_ids: list[str]) -> tuple[set[st
     if not account_ids:
         return set(), set()
     now_ms = int(time.time() * 1000)
-    wait_ms = 0
-    broker = res.broker_redis
-    if broker is not None:
-        try:
-            oldest = oldest_enqueued_ms(broker, PAYMENTS_QUEUE, ENQUEUED_HEADER)
-        except Exception as exc:  # the broker's own trouble: judge without the backlog
-            log.warning("sweep_broker_unreadable", error=repr(exc))
-            oldest = None
-        wait_ms = max(0, now_ms - oldest) if oldest is not None else 0
-    horizon_ms = int(res.settings.sweeper_stale_after * 1000) + wait_ms
     answers: list[bytes | None] = []
     for i in range(0, len(account_ids), READ_CHUNK):
         pipe = res.redis.pipeline(transaction=False)

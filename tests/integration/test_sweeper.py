@@ -477,3 +477,114 @@ def test_an_account_taken_between_the_lock_read_and_the_mark_read_is_busy(
         holder.release()
     assert (result["busy"], result["queued"], result["reenqueued"]) == (1, 0, [])
     assert broker_messages(pw_env) == []
+
+
+# --- what a pass reads (issue 13: thousands of accounts in flight or waiting) ----------------
+
+
+def _spy_lock_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The accounts whose lock each pass reads (the real reads still run)."""
+    from payment_worker.worker import sweeper
+
+    read: list[str] = []
+    real = sweeper.read_locks
+
+    def spy(client: redis.Redis, keys: Any, account_ids: list[str]) -> list[bytes | None]:
+        read.extend(account_ids)
+        return real(client, keys, account_ids)
+
+    monkeypatch.setattr(sweeper, "read_locks", spy)
+    return read
+
+
+def test_a_holder_is_registered_while_it_beats_and_leaves_when_it_stops(
+    srt: runtime.Runtime,
+) -> None:
+    from payment_worker.locks.liveness import Liveness, dead_holders
+
+    live = Liveness(srt.redis, srt.keys, ttl_ms=3000, interval_ms=500, margin_ms=1000)
+    live.start()
+    try:
+        assert srt.redis.zscore(srt.keys.holders(), live.holder_id) is not None
+        assert dead_holders(srt.redis, srt.keys, 60_000) == set()
+        # its key gone (a killed process's expires): registered, and dead
+        srt.redis.delete(live.key)
+        assert dead_holders(srt.redis, srt.keys, 60_000) == {live.holder_id}
+        # silent for longer than the registry keeps anyone: dropped
+        srt.redis.zadd(srt.keys.holders(), {live.holder_id: int(time.time() * 1000) - 61_000})
+        assert dead_holders(srt.redis, srt.keys, 60_000) == set()
+        assert srt.redis.zscore(srt.keys.holders(), live.holder_id) is None
+        live.beat()  # the next beat registers it again
+        assert srt.redis.zscore(srt.keys.holders(), live.holder_id) is not None
+    finally:
+        live.stop()
+    assert srt.redis.zscore(srt.keys.holders(), live.holder_id) is None
+    assert not srt.redis.exists(live.key)
+
+
+def test_a_pass_with_every_holder_alive_reads_no_lock_of_a_fresh_account(
+    srt: runtime.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 13: each pass read the lock of every account with due work (scenario 5: 2,000
+    accounts, 10 Redis reads per item paid). Fresh accounts need no read unless a holder
+    died: a live holder's are busy, a free one's message is on its way."""
+    read = _spy_lock_reads(monkeypatch)
+    for n in range(5):
+        _save(f"b-{n}", f"acct-{n}", srt)
+    held = srt.account_lock("acct-0")
+    assert held.acquire()  # a live, registered holder
+    try:
+        result = run_sweep(srt)
+    finally:
+        held.release()
+    assert read == [] and result["reenqueued"] == [] and result["stalled"] == 0
+
+
+def test_a_registered_dead_holders_fresh_account_is_taken_over_at_once(
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from payment_worker.locks.liveness import lock_value
+
+    read = _spy_lock_reads(monkeypatch)
+    for acct in ("acct-dead", "acct-free"):
+        _save(f"b-{acct}", acct, srt)
+    # a holder that registered, took the lock and died a moment ago (its key expired)
+    redis_client.zadd(srt.keys.holders(), {"ghost-7-dead0001": int(time.time() * 1000)})
+    value = lock_value("ghost-7-dead0001", "f" * 32)
+    redis_client.set(srt.keys.lock("acct-dead"), value, px=30_000)
+    result = run_sweep(srt)
+    # every account with due work is read while a registered holder is dead
+    assert sorted(read) == ["acct-dead", "acct-free"]
+    assert result["taken_over"] == 1 and result["reenqueued"] == ["b-acct-dead"]
+    assert broker_messages(pw_env) == ["b-acct-dead"]
+
+
+def test_behind_a_backlog_a_free_account_is_stale_only_after_the_backlogs_wait(
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its message would wait behind the backlog, and so would a repair: an account untouched
+    for less than SWEEPER_STALE_AFTER plus the oldest waiting message's age is not read."""
+    from payment_worker.worker.celery_app import app
+    from payment_worker.worker.queueing import ENQUEUED_HEADER, PROCESS_TASK
+
+    read = _spy_lock_reads(monkeypatch)
+    _save("b-lost", "acct-lost", srt)  # its message never left (the broker was down)
+    _age(db_conn, 5.0)
+    app.send_task(
+        PROCESS_TASK,
+        args=["b-head"],
+        queue="payments",
+        routing_key="payments",
+        headers={ENQUEUED_HEADER: int(time.time() * 1000) - 10_000},
+    )
+    result = run_sweep(srt)
+    assert read == [] and result["reenqueued"] == []
+    # the backlog is gone (a worker took it, or a flush): 5 s untouched is stale now
+    redis.Redis.from_url(pw_env.broker_url).delete("payments")
+    assert run_sweep(srt)["reenqueued"] == ["b-lost"] and read == ["acct-lost"]

@@ -39,6 +39,28 @@ class ScriptedRedis:
         self.key_exists = True
         return old
 
+    def pipeline(self, transaction: bool) -> ScriptedPipeline:
+        assert not transaction
+        return ScriptedPipeline(self)
+
+
+class ScriptedPipeline:
+    """A beat's one round trip: the ``SET … GET`` above, and the registry's ``ZADD``."""
+
+    def __init__(self, r: ScriptedRedis) -> None:
+        self.r = r
+        self.calls: list[Any] = []
+
+    def set(self, key: str, value: Any, px: int, get: bool) -> None:
+        self.calls.append(lambda: self.r.set(key, value, px=px, get=get))
+
+    def zadd(self, key: str, mapping: dict[str, int]) -> None:
+        assert key == "pw:holders" and list(mapping) == ["host-7-abcd"]
+        self.calls.append(lambda: 1)
+
+    def execute(self) -> list[Any]:
+        return [call() for call in self.calls]
+
 
 @pytest.fixture
 def parts() -> tuple[Liveness, ScriptedRedis, Clock]:
