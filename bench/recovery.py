@@ -230,10 +230,7 @@ def run_cost(args: argparse.Namespace) -> None:
     def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
         return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
 
-    with scratch() as (db_url, r_app, _):
-        rt = runtime.current()
-        r = redis.Redis.from_url(r_app)
-        n = args.held
+    def submit(rt: runtime.Runtime, n: int, enqueue: bool) -> None:
         t = time.monotonic()
         for i in range(n):
             batch = {
@@ -252,8 +249,27 @@ def run_cost(args: argparse.Namespace) -> None:
                     }
                 ],
             }
-            assert submit_batch(batch, runtime=rt, enqueue=False).status == "accepted"
+            assert submit_batch(batch, runtime=rt, enqueue=enqueue).status == "accepted"
         print(f"submitted {n} accounts in {time.monotonic() - t:.1f}s")
+
+    n = args.held
+    # a backlog: n accounts whose messages all wait in the queue, free, untouched for longer
+    # than SWEEPER_STALE_AFTER (each cost 3 GETs per pass before the stale period grew by the
+    # backlog's wait)
+    with scratch() as (_, r_app, _):
+        rt = runtime.current()
+        r = redis.Redis.from_url(r_app)
+        submit(rt, n, enqueue=True)
+        time.sleep(rt.settings.sweeper_stale_after + 1.0)
+        before = calls(r)
+        t = time.monotonic()
+        waiting = run_sweep(rt)
+        waiting_took = time.monotonic() - t
+        backlog = delta(before, calls(r))
+    with scratch() as (db_url, r_app, _):
+        rt = runtime.current()
+        r = redis.Redis.from_url(r_app)
+        submit(rt, n, enqueue=False)
         with psycopg.connect(db_url, autocommit=True) as db:
             db.execute("UPDATE transactions SET updated_at = now() - interval '1 minute'")
         # every account held by one of 4 live processes (their liveness keys exist)
@@ -287,6 +303,14 @@ def run_cost(args: argparse.Namespace) -> None:
         f"({summary['busy']} busy, {took * 1000:.0f} ms) | {per_pass} "
         f"({', '.join(f'{k} {v}' for k, v in sorted(sweep.items()))}) "
         f"| {per_pass / interval:.0f} (one pass per SWEEPER_INTERVAL {interval:g} s, fleet-wide) |"
+    )
+    per_backlog = sum(backlog.values())
+    print(
+        f"| one sweeper pass, {n} free accounts whose messages wait in the queue "
+        f"({waiting['queued']} judged waiting, {len(waiting['reenqueued'])} re-enqueued, "
+        f"{waiting_took * 1000:.0f} ms) | {per_backlog} "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(backlog.items()))}) "
+        f"| {per_backlog / interval:.0f} |"
     )
     print(
         f"| one process's heartbeat, 5 s | {sum(beats.values())} "

@@ -207,6 +207,13 @@ class FakeStore:
                 done.append(f"batch-{pk}")
         return done
 
+    def record_and_finish(
+        self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
+    ) -> tuple[int, list[str], float | None]:
+        self._fence(account_id, token)
+        changed = self.record_outcomes(account_id, token, outcomes)
+        return (changed, *self.complete_and_next_due(account_id, token))
+
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         self.finishes += 1
         self._fence(account_id, token)

@@ -149,7 +149,8 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> Clai
     return Claim(items, more_due=bool(rows and rows[0]["more_due"]))
 
 
-_RECORD = text(f"""
+# the outcomes' CTEs, shared by _RECORD and _RECORD_AND_FINISH
+_RECORD_CTES = f"""
 WITH {FENCE_CTE},
 v AS (
     SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(
@@ -173,7 +174,8 @@ upd AS (
     FROM v, fence
     WHERE t.id = v.id AND t.account_id = :acct AND t.status IN ({_IN_DOUBT})
     RETURNING t.id, t.batch_pk, t.status, t.attempts, v.key_status, v.payment_id,
-              v.dead_reason, v.error_class, v.error, t.idempotency_key, t.doubt_since
+              v.dead_reason, v.error_class, v.error, t.idempotency_key, t.doubt_since,
+              t.next_attempt_at
 ),
 keys AS (
     -- written once per step, with the outcome (the transaction row already holds the
@@ -204,7 +206,9 @@ replay_done AS (
     FROM upd
     WHERE d.transaction_pk = upd.id AND d.resolved_at IS NULL AND d.replay_count > 0
       AND upd.status IN ('succeeded', 'failed')
-)
+)"""
+
+_RECORD = text(f"""{_RECORD_CTES}
 SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok
 """)
 
@@ -298,6 +302,58 @@ def complete_batches(
     # is not an error here: the claim and the record around it raise FencedOut
     params = {**fence_params(account_id, token), "pks": pks}
     return list(conn.execute(_COMPLETE, params).scalars())
+
+
+# The last chunk of a drain: its outcomes, the account's batches completed, and the next due
+# time, in one statement. Every CTE reads the snapshot taken before the statement, so the
+# account's rows are read as they will be: the outcomes' rows as ``upd`` returns them, the
+# others as they are (its open rows, and the rest of its batches not yet completed).
+_RECORD_AND_FINISH = text(f"""{_RECORD_CTES},
+cur AS (
+    SELECT batch_pk, status, next_attempt_at FROM upd
+    UNION ALL
+    SELECT t.batch_pk, t.status, t.next_attempt_at FROM transactions t
+    WHERE t.account_id = :acct AND t.status IN ({_OPEN}) AND t.id NOT IN (SELECT id FROM upd)
+    UNION ALL
+    SELECT t.batch_pk, t.status, t.next_attempt_at FROM transactions t
+    WHERE t.batch_pk IN (SELECT id FROM batches WHERE account_id = :acct AND status <> 'completed')
+      AND t.status NOT IN ({_OPEN}) AND t.id NOT IN (SELECT id FROM upd)
+),
+done AS (
+    {_COMPLETE_SET}
+    FROM (
+        SELECT batch_pk,
+               count(*) FILTER (WHERE status = 'succeeded') AS succeeded,
+               count(*) FILTER (WHERE status = 'failed') AS failed,
+               count(*) FILTER (WHERE status = 'dead') AS dead
+        FROM cur
+        WHERE batch_pk IN (
+            SELECT id FROM batches WHERE account_id = :acct AND status <> 'completed')
+        GROUP BY batch_pk
+        HAVING bool_and(status IN ({_TERMINAL}))
+    ) s
+    WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
+    RETURNING b.batch_id
+)
+SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok,
+       ARRAY(SELECT batch_id FROM done) AS completed,
+       (SELECT min(next_attempt_at) FROM cur WHERE status IN ({_OPEN})) AS due, now() AS now
+""")
+
+
+def record_and_finish(
+    conn: Connection, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
+) -> tuple[int, list[str], float | None]:
+    """:func:`record_outcomes` and :func:`complete_and_next_due` in one fenced statement, for
+    a drain's last chunk: rows changed, batches completed, seconds until the next due item
+    (None: nothing open). A stale ``token`` raises FencedOut and writes nothing."""
+    rows = json.dumps([_outcome_row(o) for o in outcomes])
+    [row] = execute_fenced(
+        conn, _RECORD_AND_FINISH, {"rows": rows}, account_id=account_id, token=token
+    )
+    due: datetime | None = row["due"]
+    wait = None if due is None else float((due - row["now"]).total_seconds())
+    return int(row["updated"]), [str(b) for b in row["completed"]], wait
 
 
 def complete_and_next_due(
@@ -445,6 +501,13 @@ class PgWorkStore:
         """See :func:`record_outcomes`."""
         with self._engine.connect() as conn:
             return record_outcomes(conn, account_id, token, outcomes)
+
+    def record_and_finish(
+        self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
+    ) -> tuple[int, list[str], float | None]:
+        """See :func:`record_and_finish`."""
+        with self._engine.connect() as conn:
+            return record_and_finish(conn, account_id, token, outcomes)
 
     def complete_batches(
         self, account_id: str, token: int, batch_pks: Sequence[int] | None = None

@@ -206,12 +206,17 @@ class Drainer:
                         report.handed_off = True
                         report.shutdown = self._stopping()
                         return
-                    if items:
-                        # the chunk took everything due at the claim: no second claim, the
-                        # account's finished batches and its next due time tell the rest
-                        self._process_chunk(store, lock, token, items, report)
-                    # one statement: the account's finished batches, and its next due time
-                    _, wait = store.complete_and_next_due(account_id, token)
+                    # the chunk took everything due at the claim: no second claim. Its
+                    # outcomes, the account's finished batches and its next due time are one
+                    # statement (or, for a chunk cut short or nothing claimed, the last two)
+                    finished = (
+                        self._process_chunk(store, lock, token, items, report, finish=True)
+                        if items
+                        else None
+                    )
+                    if finished is None:
+                        finished = store.complete_and_next_due(account_id, token)
+                    _, wait = finished
                     if wait is None:
                         return
                     if self._stopping() or (wait <= 0 and self._clock() >= deadline):
@@ -262,9 +267,17 @@ class Drainer:
         token: int,
         items: list[ClaimedItem],
         report: DrainReport,
-    ) -> None:
+        *,
+        finish: bool = False,
+    ) -> tuple[list[str], float | None] | None:
+        """Process one claimed chunk and record what was learnt. With ``finish`` (the drain's
+        last chunk) a chunk that ran to its end is recorded with the account's completion
+        in one statement, and that statement's (batches completed, next due) is returned;
+        None when only the outcomes were written."""
         outcomes: list[ItemOutcome] = []
         given_back: list[ItemOutcome] = []
+        finished: tuple[list[str], float | None] | None = None
+        ran_to_end = False
         guard = _progress_guard(lock)
         try:
             for index, item in enumerate(items):
@@ -285,12 +298,18 @@ class Drainer:
                     reset_contextvars(**bound)
                 outcomes.append(outcome)
                 lock.progress()
+            else:
+                ran_to_end = True
         finally:
             # what was learnt is written even when the lock was lost mid-chunk: the write is
             # fenced, so it lands only if no newer holder exists; items left "dispatching" are
             # looked up by the next holder before any resend
             if outcomes or given_back:
-                store.record_outcomes(report.account_id, token, outcomes + given_back)
+                if finish and ran_to_end:
+                    _, done, wait = store.record_and_finish(report.account_id, token, outcomes)
+                    finished = (done, wait)
+                else:
+                    store.record_outcomes(report.account_id, token, outcomes + given_back)
                 lock.progress()
                 report.items += len(outcomes)
                 report.result = "processed"
@@ -302,6 +321,7 @@ class Drainer:
                             DEAD_LETTERS.labels(d.dead_reason).inc()
                     else:
                         TRANSACTION_RETRIES.labels(d.status).inc()
+        return finished
 
     def _process_item(self, guard: Guard, item: ClaimedItem) -> ItemOutcome:
         request = PaymentRequest(

@@ -39,6 +39,13 @@ class WorkStore(Protocol):
         """Complete the account's batches whose items are all terminal."""
         ...
 
+    def record_and_finish(
+        self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
+    ) -> tuple[int, list[str], float | None]:
+        """A drain's last chunk in one statement: ``record_outcomes`` (rows changed), then
+        ``complete_and_next_due`` (batches completed, next due). Fenced."""
+        ...
+
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         """As a drain ends, in one statement: complete all the account's batches whose items
         are all terminal (their ids), and the seconds until its earliest open item is due

@@ -157,6 +157,15 @@ class RetryingStore:
             lambda: self._store.complete_batches(account_id, token, batch_pks),
         )
 
+    def record_and_finish(
+        self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
+    ) -> tuple[int, list[str], float | None]:
+        """See :meth:`WorkStore.record_and_finish`."""
+        return self._call(
+            "record_and_finish",
+            lambda: self._store.record_and_finish(account_id, token, outcomes),
+        )
+
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         """See :meth:`WorkStore.complete_and_next_due`."""
         return self._call(

@@ -261,6 +261,51 @@ def test_a_claim_says_whether_more_is_due_and_claims_only_its_limit(
             repo.claim_due(conn, "acct-0000", token, 1)
 
 
+def test_record_and_finish_writes_the_last_chunk_and_completes_in_one_statement(
+    res: runtime.Runtime,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    """Issue 13: a drain's last chunk is recorded, its account's batches completed and the
+    next due time read in one fenced statement, whose every part reads the snapshot from
+    before it: the chunk's rows count as the statement writes them."""
+    batches = make_batches(batches=2, items=2, accounts=1, prefix="rf")
+    _submit(batches)
+    counts = "SELECT status, succeeded_count, failed_count, dead_count FROM batches ORDER BY id"
+    with autocommit(res.engine).connect() as conn:
+        token = next_fence_token(conn, "acct-0000")
+        items = repo.claim_due(conn, "acct-0000", token, 10)
+        assert len(items) == 4 and not items.more_due
+        a1, a2, b1, b2 = items
+        ok, no = Decision(TxStatus.SUCCEEDED), Decision(TxStatus.FAILED)
+        later = Decision(TxStatus.RETRYABLE, delay=30.0)
+        outcomes = [
+            ItemOutcome(a1.id, 1, 0, ok),
+            ItemOutcome(a2.id, 1, 0, no),
+            ItemOutcome(b1.id, 1, 0, ok),
+            ItemOutcome(b2.id, 1, 0, later),
+        ]
+        # a replaced holder writes nothing at all
+        newer = next_fence_token(conn, "acct-0000")
+        with pytest.raises(FencedOut):
+            repo.record_and_finish(conn, "acct-0000", token, outcomes)
+        assert _statuses(db_conn) == {"dispatching": 4}
+        changed, done, wait = repo.record_and_finish(conn, "acct-0000", newer, outcomes)
+        # the first batch is complete with its counts; the second waits for its retry
+        assert changed == 4 and done == [batches[0]["batch_id"]]
+        assert wait is not None and 25 < wait <= 30
+        assert db_conn.execute(counts).fetchall() == [
+            ("completed", 1, 1, 0),
+            ("processing", 0, 0, 0),
+        ]
+        db_conn.execute("UPDATE transactions SET next_attempt_at = now() WHERE id = %s", (b2.id,))
+        [again] = repo.claim_due(conn, "acct-0000", newer, 10)
+        changed, done, wait = repo.record_and_finish(
+            conn, "acct-0000", newer, [ItemOutcome(again.id, 2, 0, ok)]
+        )
+        assert (changed, done, wait) == (1, [batches[1]["batch_id"]], None)
+        assert db_conn.execute(counts).fetchall()[1] == ("completed", 2, 0, 0)
+
+
 def test_a_fenced_out_drain_stops_and_counts_one_rejection(
     res: runtime.Runtime,
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
