@@ -6,7 +6,8 @@ Submits ``--accounts`` batches of ``--items`` items, one account each, then call
 ``run_batch_task`` for each in this one thread against the simulator at zero latency (real
 Postgres, Redis and HTTP; no broker, no worker threads): the CPU seconds per account of the
 drain itself, without Celery and without the GIL contention of a loaded worker. Two runs with
-different ``--items`` separate the cost per account from the cost per item. ``--profile``
+different ``--items`` separate the cost per account from the cost per item. It also counts
+the SQL statements per account (the drain's and the fencing upsert's). ``--profile``
 writes a cProfile of the timed part (``python -m pstats FILE``). Uses DATABASE_URL /
 REDIS_URL when set, else the embedded servers; a scratch database, Redis dbs 13 and 14.
 """
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 from _env import git_rev, machine, scratch
+from sqlalchemy import event
 
 WARM = 20  # accounts drained before the clock starts (connections, first tokens, imports)
 
@@ -58,6 +60,14 @@ def main() -> int:
             rt = runtime.current()
             for b in batches[:WARM]:
                 run_batch_task(b["batch_id"], rt, account_id=b["account_id"])
+            # SQL statements sent (one listener on the engine: the autocommit view and the
+            # fencing upsert share it, so each statement counts once)
+            statements = [0]
+
+            def count(*_: object, **__: object) -> None:
+                statements[0] += 1
+
+            event.listen(rt.engine, "before_cursor_execute", count)
             profiler = cProfile.Profile(time.process_time) if args.profile else None
             cpu0, wall0 = time.process_time(), time.monotonic()
             if profiler is not None:
@@ -72,11 +82,14 @@ def main() -> int:
     n = args.accounts - WARM
     print(f"# account path  machine: {machine()}  commit: {git_rev()}")
     print()
-    print("| accounts | items each | CPU ms per account | wall ms per account | profiled |")
-    print("|---|---|---|---|---|")
+    print(
+        "| accounts | items each | CPU ms per account | wall ms per account "
+        "| SQL statements per account | profiled |"
+    )
+    print("|---|---|---|---|---|---|")
     print(
         f"| {n} | {args.items} | {1000 * cpu / n:.2f} | {1000 * wall / n:.2f} "
-        f"| {'yes' if args.profile else 'no'} |"
+        f"| {statements[0] / n:.2f} | {'yes' if args.profile else 'no'} |"
     )
     return 0
 
