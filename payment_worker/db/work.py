@@ -246,11 +246,15 @@ def record_outcomes(
     return int(result[0]["updated"])
 
 
-_COMPLETABLE = f"""
+# a batch's final counts, over rows with batch_pk and status (transactions, or _RECORD_AND_FINISH's
+# view of them)
+_BATCH_COUNTS = """
     SELECT batch_pk,
            count(*) FILTER (WHERE status = 'succeeded') AS succeeded,
            count(*) FILTER (WHERE status = 'failed') AS failed,
-           count(*) FILTER (WHERE status = 'dead') AS dead
+           count(*) FILTER (WHERE status = 'dead') AS dead"""
+
+_COMPLETABLE = f"""{_BATCH_COUNTS}
     FROM transactions
     WHERE batch_pk IN (SELECT id FROM batches WHERE account_id = :acct AND status <> 'completed')
       AND (CAST(:pks AS bigint[]) IS NULL OR batch_pk = ANY(CAST(:pks AS bigint[])))
@@ -321,11 +325,7 @@ cur AS (
 ),
 done AS (
     {_COMPLETE_SET}
-    FROM (
-        SELECT batch_pk,
-               count(*) FILTER (WHERE status = 'succeeded') AS succeeded,
-               count(*) FILTER (WHERE status = 'failed') AS failed,
-               count(*) FILTER (WHERE status = 'dead') AS dead
+    FROM ({_BATCH_COUNTS}
         FROM cur
         WHERE batch_pk IN (
             SELECT id FROM batches WHERE account_id = :acct AND status <> 'completed')

@@ -307,24 +307,27 @@ def test_a_batch_left_processing_with_every_item_terminal_is_completed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from payment_worker.db.fences import next_fence_token
+    from payment_worker.errors import FencedOut
     from payment_worker.worker import drain
 
-    # the drain is fenced out right after recording the batch's last chunk: another holder
-    # took the account over (it "crashes" before doing anything), so nobody completes it
+    # the batch's last chunk is recorded, and another holder takes the account over (and
+    # "crashes" before doing anything) before the batch is completed, so nobody completes
+    # it. A drain now records and completes in one statement (record_and_finish): this is
+    # the state a holder of an older release could leave (two statements then)
     monkeypatch.setattr(srt.settings, "process_chunk_size", 3)
     _save("b-full", "acct-1", srt, n=3)
-    real_record = repo.record_outcomes
+    real_finish = repo.record_and_finish
 
-    def record_then_taken_over(*args: Any) -> int:
-        changed = real_record(*args)
-        with srt.engine.begin() as conn:
-            next_fence_token(conn, "acct-1")
-        return changed
+    def record_then_taken_over(conn: Any, account_id: str, token: int, outcomes: Any) -> Any:
+        repo.record_outcomes(conn, account_id, token, outcomes)
+        with srt.engine.begin() as other:
+            next_fence_token(other, account_id)
+        raise FencedOut("taken over between the record and the completion")
 
-    monkeypatch.setattr(repo, "record_outcomes", record_then_taken_over)
+    monkeypatch.setattr(repo, "record_and_finish", record_then_taken_over)
     report = drain.run_account("acct-1", "b-full", srt)
-    monkeypatch.setattr(repo, "record_outcomes", real_record)
-    assert report.result == "fenced_out" and report.items == 3
+    monkeypatch.setattr(repo, "record_and_finish", real_finish)
+    assert report.result == "fenced_out"
     batch = "SELECT status, succeeded_count FROM batches WHERE batch_id = 'b-full'"
     assert db_conn.execute(batch).fetchone() == ("processing", 0)
     statuses = db_conn.execute("SELECT DISTINCT status FROM transactions").fetchall()
