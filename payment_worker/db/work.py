@@ -420,9 +420,10 @@ def stalled_accounts(
 
 
 # Batches not completed although every item is terminal, untouched for :stale seconds: a
-# drain that ended (lock lost, fenced out, crashed) right after recording a batch's last
-# chunk, when that chunk was full, leaves the batch "processing" and, with no due item left,
-# nothing would ever start a holder for it. The open-items probe spells the partial indexes'
+# drain that ended (lock lost, fenced out, crashed) between recording a batch's last items and
+# completing it (two statements in older releases; now only after a chunk that claimed more)
+# leaves the batch "processing" and, with no due item left, nothing would ever start a
+# holder for it. The open-items probe spells the partial indexes'
 # predicate (transactions_open_account_order_idx); the age is read only for batches without
 # an open item.
 _UNCOMPLETED = text(f"""
