@@ -180,7 +180,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     on_its_way, taken_since = _messages_on_their_way(
         res,
         [a.account_id for a, v in zip(stalled, values, strict=True) if v is None and a.stale],
-        int(s.sweeper_stale_after * 1000) + backlog_ms,
+        int(stale * 1000),
     )
     # the query above is a moment old by now (a slow pass under load: most of a second): an
     # account that looks free and unmarked may have been drained by a holder meanwhile, so
