@@ -7,6 +7,13 @@ unique constraints, never by a check-then-insert: the batch row by ``ON CONFLICT
 DO NOTHING`` (a concurrent identical submission waits for the first to commit, then inserts
 nothing), a transaction that another batch already owns by the unique violation that aborts
 the whole statement.
+
+Submissions of one account are serialized by a transaction-scoped advisory lock taken by
+the statement before it writes anything. Two batches sharing transactions in opposite orders
+would otherwise lock each other's index entries in opposite orders and deadlock; PostgreSQL
+aborts one after ``deadlock_timeout``, and a retry that starts while the winner is still
+inserting can meet it again (CI saw three in a row on a loaded host). With the lock, the
+second batch waits for the first to commit and then fails on the unique index at once.
 """
 
 from __future__ import annotations
@@ -19,19 +26,28 @@ from typing import Any, Literal
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-# deadlocks are possible when two batches share transaction ids in different orders; the
-# loser is rolled back whole by PostgreSQL and simply tried again
+# the per-account lock rules out the deadlock of two overlapping batches; a serialization
+# failure or a deadlock from elsewhere is still rolled back whole and simply tried again
 _RETRYABLE_SQLSTATES = {"40P01", "40001"}
 _UNIQUE_VIOLATION = "23505"
 _ATTEMPTS = 3
 
-# ORDER BY ord keeps the batch order in the transaction ids; with no batch row inserted
-# (batch_id exists) the CROSS JOIN is empty and nothing else is written
+# The namespace of the submission lock (pg_advisory_xact_lock(int, int)): its first key, so
+# that it cannot meet another application's advisory locks on a shared database.
+_SUBMIT_LOCK_SPACE = 0x70770001
+
+# lk is read by b's INSERT, so the lock is held before the first row is written (an account
+# hash collision only serializes two accounts); ORDER BY ord keeps the batch order in the
+# transaction ids; with no batch row inserted (batch_id exists) the CROSS JOIN is empty and
+# nothing else is written
 _INSERT = text(
-    """
-    WITH b AS (
+    f"""
+    WITH lk AS (
+        SELECT pg_advisory_xact_lock({_SUBMIT_LOCK_SPACE}, hashtext(:account_id)) AS locked
+    ),
+    b AS (
         INSERT INTO batches (batch_id, account_id, fingerprint, item_count)
-        VALUES (:batch_id, :account_id, :fingerprint, :item_count)
+        SELECT :batch_id, :account_id, :fingerprint, :item_count FROM lk
         ON CONFLICT (batch_id) DO NOTHING
         RETURNING id
     ),

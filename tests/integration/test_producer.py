@@ -233,27 +233,43 @@ def test_racing_threads_one_accepted_rest_duplicate(
 
 
 def test_overlapping_batches_raced_in_opposite_orders(
-    pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two batches sharing transactions in opposite orders: one wins whole, one is rejected
-    (a deadlock between them is retried, never surfaced)."""
+    """Two batches sharing transactions in opposite orders: one wins whole, one is rejected,
+    each in one statement. They used to deadlock, and on a loaded host the retried loser
+    could meet the winner again three times and raise; the per-account submission lock
+    makes the second wait for the first instead."""
     a = make_batch("b-a", n=3000)
     b = make_batch("b-b", n=3000)
     b["items"].reverse()
     start = threading.Barrier(2)
     results: dict[str, SubmitResult] = {}
+    raised: list[BaseException] = []
+    statements: list[str] = []
+    insert_once = db._insert_once
+
+    def counted(engine: Any, batch: Any) -> Any:
+        statements.append(batch.batch_id)
+        return insert_once(engine, batch)
+
+    monkeypatch.setattr(db, "_insert_once", counted)
 
     def run(data: dict[str, Any]) -> None:
         start.wait()
-        results[data["batch_id"]] = submit_batch(data, enqueue=False)
+        try:
+            results[data["batch_id"]] = submit_batch(data, enqueue=False)
+        except BaseException as exc:  # surfaced below: a thread's exception is otherwise lost
+            raised.append(exc)
 
     threads = [threading.Thread(target=run, args=(d,)) for d in (a, b)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert raised == []
     statuses = sorted(r.status for r in results.values())
     assert statuses == ["accepted", "rejected"]
+    assert sorted(statements) == ["b-a", "b-b"]  # no deadlock, so no statement run twice
     loser = next(r for r in results.values() if r.status == "rejected")
     assert len(loser.errors) == 3000
     assert counts(db_conn) == (1, 3000, 3000)
