@@ -16,6 +16,10 @@ simulator. Prints one table per part; results go to docs/benchmarks-gateway.md b
    cost (Redis token read + pacing script + classification + metrics).
 3. throughput: an aiohttp load generator, C connections, each its own accounts, against
    the simulator's create endpoint (auth, limits, validation, idempotency store, ledger).
+4. http: one thread, zero simulator latency: CPU per create request of each HTTP stack the
+   client could use, the same request on a kept connection, blocks of 100 alternated:
+   ``httpx.Client``, an ``httpcore`` pool (the client's stack until the fifth session of
+   issue 13), and ``GatewayConnection`` over ``http.client`` (the client's stack now).
 """
 
 from __future__ import annotations
@@ -304,9 +308,88 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# --- part 4: HTTP stacks --------------------------------------------------------------------
+def run_http(args: argparse.Namespace) -> dict[str, float]:
+    import httpcore
+
+    from payment_worker.gateway.connection import GatewayConnection
+
+    n, block = args.http_calls, 100
+    with run_simulator(rate=1_000_000, seed=4) as sim:
+        base = httpx.URL(sim.url)
+        host, port = base.host, base.port or 80
+        grant = {"grant_type": "client_credentials", "client_secret": "sim-secret"}
+        with httpx.Client(base_url=sim.url, timeout=5) as x:
+            tokens = {
+                f"{stack}-{i}": x.post(
+                    "/oauth/token", json={**grant, "client_id": f"{stack}-{i}"}
+                ).json()["access_token"]
+                for stack in ("httpx", "httpcore", "http.client")
+                for i in range(20)
+            }
+        seq = iter(range(10**9))
+
+        def request(stack: str) -> tuple[str, dict[str, str], bytes]:
+            i = next(seq)
+            a = f"{stack}-{i % 20}"
+            p = payment(a, f"t-{i}")
+            headers = {
+                "Host": base.netloc.decode(),
+                "Accept": "application/json",
+                "User-Agent": "payment-worker",
+                "Authorization": "Bearer " + tokens[a],
+                "Idempotency-Key": p.idempotency_key,
+                "Content-Type": "application/json",
+            }
+            body = json.dumps(p.body(), separators=(",", ":")).encode()
+            return f"/v1/accounts/{a}/payments", headers, body
+
+        hx = httpx.Client(base_url=sim.url, timeout=5)
+        core = httpcore.ConnectionPool(max_connections=1, max_keepalive_connections=1)
+        conn = GatewayConnection("http", host, port, connect_timeout=5, read_timeout=5)
+
+        def via_httpx() -> int:
+            path, headers, body = request("httpx")
+            return hx.post(path, content=body, headers=headers).status_code
+
+        def via_httpcore() -> int:
+            path, headers, body = request("httpcore")
+            url = httpcore.URL(scheme=b"http", host=host.encode(), port=port, target=path.encode())
+            hdrs = [(k.encode(), v.encode()) for k, v in headers.items()]
+            hdrs.append((b"Content-Length", str(len(body)).encode()))
+            timeout = {"connect": 5.0, "read": 5.0, "write": 5.0, "pool": 5.0}
+            r = core.request(b"POST", url, headers=hdrs, content=body,
+                             extensions={"timeout": timeout})  # fmt: skip
+            return r.status
+
+        def via_http_client() -> int:
+            path, headers, body = request("http.client")
+            return conn.request("POST", path, headers, body).status_code
+
+        stacks = {"httpx.Client": via_httpx, "httpcore pool": via_httpcore,
+                  "GatewayConnection (http.client)": via_http_client}  # fmt: skip
+        cpu = dict.fromkeys(stacks, 0.0)
+        for f in stacks.values():  # warm: connections, imports
+            for _ in range(50):
+                assert f() == 201
+        for _ in range(max(1, n // block)):
+            for name, f in stacks.items():
+                t0 = time.process_time()
+                for _ in range(block):
+                    assert f() == 201
+                cpu[name] += time.process_time() - t0
+        hx.close()
+        core.close()
+        conn.close()
+    # the request's own making (payment, key, JSON) is in every row alike
+    return {name: c / (max(1, n // block) * block) * 1e6 for name, c in cpu.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--part", choices=["all", "tokens", "overhead", "throughput"], default="all")
+    p.add_argument(
+        "--part", choices=["all", "tokens", "overhead", "throughput", "http"], default="all"
+    )
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--workers", type=int, default=64)
     p.add_argument("--processes", type=int, default=4)
@@ -316,6 +399,7 @@ def main() -> int:
     p.add_argument("--jitter-ms", type=float, default=3.0)
     p.add_argument("--modes", default="shared,naive")
     p.add_argument("--overhead-calls", type=int, default=2000)
+    p.add_argument("--http-calls", type=int, default=3000)
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--throughput-seconds", type=float, default=10.0)
     args = p.parse_args()
@@ -369,6 +453,13 @@ def main() -> int:
             f"{r2['token_p50_us']:.0f} |"
         )
         print(f"| of which: pacing script | {r2['pace_mean_us']:.0f} | {r2['pace_p50_us']:.0f} |")
+
+    if args.part in ("all", "http"):
+        r4 = run_http(args)
+        print(f"\n## HTTP stacks: {args.http_calls} creates each, one thread, zero latency")
+        print("| stack | CPU µs per request |\n|---|---|")
+        for name, us in r4.items():
+            print(f"| {name} | {us:.0f} |")
 
     if args.part in ("all", "throughput"):
         r3 = run_throughput(args)

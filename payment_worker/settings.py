@@ -113,6 +113,8 @@ class Settings(BaseSettings):
     gateway_client_secret: SecretStr | None = Field(None, validate_default=True)
     gateway_connect_timeout: float = Field(2.0, gt=0)
     gateway_read_timeout: float = Field(5.0, gt=0)
+    # no longer read: each worker thread keeps one gateway connection (gateway/connection.py);
+    # accepted so that configurations that set it still load
     gateway_pool_size: int = Field(20, ge=1)
     # per-account request quota, requests/s; overrides: JSON object {"acct-1": 5}
     gateway_rate_per_second: float = Field(20.0, gt=0)

@@ -1,12 +1,11 @@
 """The gateway client: create and look up payments, classified into outcomes.
 
 One :class:`GatewayClient` per process, shared by its threads. Each thread has its own
-``httpcore.ConnectionPool`` (the connection pool under httpx; explicit connect/read
-timeouts per request); requests go straight to it with pre-parsed URLs and pre-encoded
-headers, because ``httpx.Client``'s per-call URL merging, cookie and redirect handling
-cost about a third of a request's CPU, and httpx's request and response models another
-part (measured, docs/benchmarks.md). Transport errors are raised as httpx's exception
-classes, which :mod:`payment_worker.gateway.outcomes` classifies. It takes the account's
+keep-alive connection (:class:`~payment_worker.gateway.connection.GatewayConnection`, over
+the standard library's ``http.client``): a worker thread has one request in flight at a
+time, and a pool shared by all threads would serialize them on its lock. Transport errors
+are raised as httpx's exception classes, by the phase they happened in (connect, send,
+answer), which :mod:`payment_worker.gateway.outcomes` classifies. It takes the account's
 shared token (:mod:`payment_worker.gateway.tokens`) and a pacing slot
 (:mod:`payment_worker.gateway.pacing`) before every request, and turns every answer into a
 :class:`GatewayResult` through the tables of :mod:`payment_worker.gateway.outcomes`. It
@@ -22,12 +21,12 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-import httpcore
 import httpx
 import redis
 from redis.exceptions import RedisError
 
 from payment_worker.domain.payment_request import PaymentRequest
+from payment_worker.gateway.connection import Answer, GatewayConnection
 from payment_worker.gateway.outcomes import (
     GatewayResult,
     Outcome,
@@ -53,54 +52,8 @@ log = get_logger("gateway.client")
 Classifier = Callable[[int, httpx.Headers, bytes], GatewayResult]
 Guard = Callable[[], None]
 
-# httpcore's errors as the httpx classes the outcome tables know (most specific first),
-# as httpx's own transport maps them
-_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
-    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
-    (httpcore.ReadTimeout, httpx.ReadTimeout),
-    (httpcore.WriteTimeout, httpx.WriteTimeout),
-    (httpcore.PoolTimeout, httpx.PoolTimeout),
-    (httpcore.ConnectError, httpx.ConnectError),
-    (httpcore.ReadError, httpx.ReadError),
-    (httpcore.WriteError, httpx.WriteError),
-    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
-    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
-    (httpcore.ProxyError, httpx.ProxyError),
-    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
-    (httpcore.TimeoutException, httpx.TimeoutException),
-    (httpcore.NetworkError, httpx.NetworkError),
-    (httpcore.ProtocolError, httpx.ProtocolError),
-)
-_CORE_ERRORS = (
-    httpcore.TimeoutException,
-    httpcore.NetworkError,
-    httpcore.ProtocolError,
-    httpcore.ProxyError,
-    httpcore.UnsupportedProtocol,
-)
-_ACCEPT = (b"Accept", b"application/json")
-_JSON = (b"Content-Type", b"application/json")
-_AGENT = (b"User-Agent", b"payment-worker")
-
-
-class Answer:
-    """An HTTP answer read in full: status, headers, body (what the outcome tables read)."""
-
-    __slots__ = ("content", "raw_headers", "status_code")
-
-    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]], content: bytes):
-        self.status_code = status_code
-        self.raw_headers = raw_headers
-        self.content = content
-
-    @property
-    def headers(self) -> httpx.Headers:
-        """The headers, case-insensitive (built on demand: most answers never need them)."""
-        return httpx.Headers(self.raw_headers)
-
-    def response(self) -> httpx.Response:
-        """As an ``httpx.Response`` (the token manager's input; rare)."""
-        return httpx.Response(self.status_code, headers=self.raw_headers, content=self.content)
+_ACCEPT = "application/json"
+_AGENT = "payment-worker"
 
 
 def check_idempotency_key(key: str) -> None:
@@ -117,22 +70,17 @@ class GatewayClient:
         self._settings = settings
         s = settings
         self._redis = redis
-        # one pooled httpx client per thread: a worker thread drives one account at a time,
-        # and a pool shared by all threads serializes them on its lock (measured)
+        # one keep-alive connection per thread (see the module)
         self._local = threading.local()
-        self._clients: list[httpcore.ConnectionPool] = []
-        self._clients_lock = threading.Lock()
-        self._urls: dict[str, httpcore.URL] = {}
+        self._connections: list[GatewayConnection] = []
+        self._connections_lock = threading.Lock()
         base = httpx.URL(s.gateway_url)
-        self._base = base
-        self._host = (b"Host", base.netloc)
+        self._scheme = base.scheme
+        self._host_name = base.host
+        self._port = base.port or (443 if base.scheme == "https" else 80)
+        self._prefix = base.raw_path.decode().rstrip("/")
+        self._common = {"Host": base.netloc.decode(), "Accept": _ACCEPT, "User-Agent": _AGENT}
         self._ssl = httpx.create_ssl_context() if base.scheme == "https" else None
-        self._timeouts = {
-            "connect": s.gateway_connect_timeout,
-            "read": s.gateway_read_timeout,
-            "write": s.gateway_read_timeout,
-            "pool": s.gateway_connect_timeout,
-        }
         self.tokens = TokenManager(
             redis,
             self._fetch_token,
@@ -145,55 +93,34 @@ class GatewayClient:
             redis, prefix=s.redis_key_prefix, lease_seconds=s.gateway_pacing_lease_seconds
         )
 
-    def _pool(self) -> httpcore.ConnectionPool:
-        pool: httpcore.ConnectionPool | None = getattr(self._local, "pool", None)
-        if pool is None:
-            size = self._settings.gateway_pool_size
-            # httpx's defaults: keep-alive 5 s, HTTP/1.1, no retries
-            pool = httpcore.ConnectionPool(
+    def _connection(self) -> GatewayConnection:
+        conn: GatewayConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            s = self._settings
+            conn = GatewayConnection(
+                self._scheme,
+                self._host_name,
+                self._port,
+                connect_timeout=s.gateway_connect_timeout,
+                read_timeout=s.gateway_read_timeout,
                 ssl_context=self._ssl,
-                max_connections=size,
-                max_keepalive_connections=size,
-                keepalive_expiry=5.0,
             )
-            self._local.pool = pool
-            with self._clients_lock:
-                self._clients.append(pool)
-        return pool
+            self._local.conn = conn
+            with self._connections_lock:
+                self._connections.append(conn)
+        return conn
 
-    def _url(self, path: str) -> httpcore.URL:
-        url = self._urls.get(path)
-        if url is None:
-            full = httpx.URL(self._settings.gateway_url + path)
-            url = httpcore.URL(
-                scheme=full.raw_scheme, host=full.raw_host, port=full.port, target=full.raw_path
-            )
-            if len(self._urls) < 10_000:  # bounded: one entry per account and endpoint
-                self._urls[path] = url
-        return url
+    def _request(self, method: str, path: str, headers: dict[str, str], body: Any = None) -> Answer:
+        """One HTTP request; the answer is read in full and the connection kept.
 
-    def _request(
-        self, method: bytes, path: str, headers: list[tuple[bytes, bytes]], body: Any = None
-    ) -> Answer:
-        """One HTTP request; the answer is read in full and the connection returned.
-
-        Raises httpx's :class:`~httpx.TransportError` subclasses, as ``httpx`` would."""
-        hdrs = [self._host, _ACCEPT, _AGENT, *headers]
-        content = b""
+        Raises httpx's :class:`~httpx.TransportError` subclasses, by phase (see
+        :mod:`payment_worker.gateway.connection`)."""
+        hdrs = {**self._common, **headers}
+        content: bytes | None = None
         if body is not None:
             content = json.dumps(body, separators=(",", ":")).encode()
-            hdrs += (_JSON, (b"Content-Length", str(len(content)).encode()))
-        try:
-            response = self._pool().request(
-                method,
-                self._url(path),
-                headers=hdrs,
-                content=content,
-                extensions={"timeout": self._timeouts},
-            )
-        except _CORE_ERRORS as exc:
-            raise _as_httpx(exc) from exc
-        return Answer(response.status, response.headers, response.content)
+            hdrs["Content-Type"] = "application/json"
+        return self._connection().request(method, self._prefix + path, hdrs, content)
 
     # --- the protocol -----------------------------------------------------------------
     def create_payment(
@@ -220,12 +147,9 @@ class GatewayClient:
             account_id,
             classify_create,
             lambda token: self._request(
-                b"POST",
+                "POST",
                 path,
-                [
-                    (b"Authorization", b"Bearer " + token.encode()),
-                    (b"Idempotency-Key", idempotency_key.encode()),
-                ],
+                {"Authorization": "Bearer " + token, "Idempotency-Key": idempotency_key},
                 transaction.body(),
             ),
             guard,
@@ -241,9 +165,7 @@ class GatewayClient:
             "lookup",
             account_id,
             classify_lookup,
-            lambda token: self._request(
-                b"GET", path, [(b"Authorization", b"Bearer " + token.encode())]
-            ),
+            lambda token: self._request("GET", path, {"Authorization": "Bearer " + token}),
             guard,
         )
 
@@ -257,11 +179,11 @@ class GatewayClient:
             log.warning("pacing_give_back_failed", account_id=account_id, error=str(exc))
 
     def close(self) -> None:
-        """Close the HTTP connection pools (of every thread)."""
-        with self._clients_lock:
-            clients, self._clients = self._clients, []
-        for client in clients:
-            client.close()
+        """Close the HTTP connections (of every thread)."""
+        with self._connections_lock:
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            conn.close()
 
     def __enter__(self) -> GatewayClient:
         return self
@@ -368,15 +290,7 @@ class GatewayClient:
             "client_id": account_id,
             "client_secret": _secret(self._settings),
         }
-        return self._request(b"POST", "/oauth/token", [], body).response()
-
-
-def _as_httpx(exc: Exception) -> httpx.TransportError:
-    """httpcore's error as the httpx class of the same name."""
-    for core, mapped in _ERRORS:
-        if isinstance(exc, core):
-            return mapped(str(exc))
-    return httpx.TransportError(str(exc))
+        return self._request("POST", "/oauth/token", {}, body).response()
 
 
 def _seg(value: str) -> str:

@@ -1,0 +1,147 @@
+"""One keep-alive HTTP/1.1 connection to the gateway per thread, over the standard library's
+``http.client``.
+
+A worker thread drives one account at a time and so has at most one request in flight: it
+needs one connection, not a pool. ``http.client`` does the HTTP (request framing, status
+line, headers, ``Content-Length``, chunked and close-delimited bodies, 1xx answers) at
+about 180 µs of CPU per request where ``httpcore`` over ``h11`` took about 290 (measured
+against the simulator, docs/benchmarks.md), and it is part of the standard library.
+
+What this module adds is what decides whether a payment may be sent again: every failure is
+raised as the httpx exception class of the phase it happened in, which
+:mod:`payment_worker.gateway.outcomes` classifies.
+
+* **connect** (nothing sent): :class:`httpx.ConnectTimeout`, :class:`httpx.ConnectError`.
+  The connection is opened here, never by ``http.client``'s automatic reconnect inside the
+  send, so a connect failure can never be mistaken for a failed send, or the reverse;
+* **send** (some bytes may have left): :class:`httpx.WriteTimeout`,
+  :class:`httpx.WriteError`;
+* **answer** (the request left): :class:`httpx.ReadTimeout`, :class:`httpx.ReadError`,
+  :class:`httpx.RemoteProtocolError`.
+
+A kept connection is reused only when it is fresh: idle for less than
+``KEEPALIVE_EXPIRY`` seconds, and not readable (a server that closed it, or sent something
+unasked, makes it readable). Otherwise it is closed and a new one opened, so a request is not
+written into a connection the server already dropped: that would make a request that never
+arrived look "maybe sent". After any failure the connection is closed: its state is unknown.
+"""
+
+from __future__ import annotations
+
+import http.client
+import select
+import socket
+import ssl
+import time
+
+import httpx
+
+KEEPALIVE_EXPIRY = 5.0  # seconds idle after which a kept connection is not reused (httpx's)
+
+
+class Answer:
+    """An HTTP answer read in full: status, headers, body (what the outcome tables read)."""
+
+    __slots__ = ("content", "raw_headers", "status_code")
+
+    def __init__(self, status_code: int, raw_headers: list[tuple[str, str]], content: bytes):
+        self.status_code = status_code
+        self.raw_headers = raw_headers
+        self.content = content
+
+    @property
+    def headers(self) -> httpx.Headers:
+        """The headers, case-insensitive (built on demand: most answers never need them)."""
+        return httpx.Headers(self.raw_headers)
+
+    def response(self) -> httpx.Response:
+        """As an ``httpx.Response`` (the token manager's input; rare)."""
+        return httpx.Response(self.status_code, headers=self.raw_headers, content=self.content)
+
+
+class GatewayConnection:
+    """A keep-alive connection to one ``host:port``, used by one thread at a time."""
+
+    def __init__(
+        self,
+        scheme: str,
+        host: str,
+        port: int,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        conn: http.client.HTTPConnection
+        if scheme == "https":
+            conn = http.client.HTTPSConnection(
+                host, port, timeout=connect_timeout, context=ssl_context
+            )
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=connect_timeout)
+        conn.auto_open = 0  # connecting is a phase of its own (see the module)
+        self._conn = conn
+        self._last_used = 0.0
+
+    def request(
+        self, method: str, target: str, headers: dict[str, str], body: bytes | None
+    ) -> Answer:
+        """Send one request and read its answer in full; raises httpx's transport errors."""
+        conn = self._conn
+        if conn.sock is not None and not self._fresh(conn.sock):
+            conn.close()
+        if conn.sock is None:
+            try:
+                conn.connect()
+            except TimeoutError as exc:
+                conn.close()
+                raise httpx.ConnectTimeout(f"connect: {exc or 'timed out'}") from exc
+            except OSError as exc:
+                conn.close()
+                raise httpx.ConnectError(f"connect: {exc}") from exc
+            if conn.sock is not None:
+                conn.sock.settimeout(self._read_timeout)  # the send's and the answer's bound
+        try:
+            conn.request(method, target, body=body, headers=headers)
+        except TimeoutError as exc:
+            conn.close()
+            raise httpx.WriteTimeout(f"send: {exc or 'timed out'}") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise httpx.WriteError(f"send: {type(exc).__name__}: {exc}") from exc
+        except ValueError as exc:  # a header value http.client refuses (CR, LF): not sent,
+            conn.close()  # but classified as maybe sent like any unexpected error
+            raise httpx.LocalProtocolError(f"send: {exc}") from exc
+        try:
+            response = conn.getresponse()
+            content = response.read()
+        except TimeoutError as exc:
+            conn.close()
+            raise httpx.ReadTimeout(f"answer: {exc or 'timed out'}") from exc
+        except http.client.RemoteDisconnected as exc:  # closed before a status line
+            conn.close()
+            raise httpx.RemoteProtocolError(f"answer: {exc}") from exc
+        except OSError as exc:
+            conn.close()
+            raise httpx.ReadError(f"answer: {type(exc).__name__}: {exc}") from exc
+        except http.client.HTTPException as exc:  # a malformed or cut-short answer
+            conn.close()
+            raise httpx.RemoteProtocolError(f"answer: {type(exc).__name__}: {exc}") from exc
+        self._last_used = time.monotonic()
+        # a "Connection: close" answer closed the socket already (http.client); the next
+        # request opens a new one
+        return Answer(response.status, response.getheaders(), content)
+
+    def close(self) -> None:
+        """Close the connection (a later request opens a new one)."""
+        self._conn.close()
+
+    def _fresh(self, sock: socket.socket) -> bool:
+        if time.monotonic() - self._last_used >= KEEPALIVE_EXPIRY:
+            return False
+        # poll, not select: a worker's descriptors pass FD_SETSIZE (1,024) at high concurrency
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)

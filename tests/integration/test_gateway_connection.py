@@ -1,0 +1,289 @@
+"""GatewayConnection against a real TCP peer that answers as scripted: framing, keep-alive
+reuse, stale connections, and every failure raised as the phase it happened in.
+
+The simulator (aiohttp) answers well; these peers answer the ways other gateways and the
+proxies in front of them may: chunked, close-delimited, ``Connection: close``, cut short,
+malformed, silent, or closing a kept connection while it idles.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from payment_worker.gateway import connection as gateway_connection
+from payment_worker.gateway.connection import GatewayConnection
+from payment_worker.gateway.outcomes import Outcome, classify_transport_error
+
+Handler = Callable[[int, socket.socket], None]
+
+
+class Peer:
+    """A listening socket; each accepted connection runs ``handler(index, sock)`` in a thread."""
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.accepted = 0
+        self.requests: list[bytes] = []  # every request line read, in order
+        self._threads: list[threading.Thread] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            index = self.accepted
+            self.accepted += 1
+            t = threading.Thread(target=self._serve, args=(index, sock), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, index: int, sock: socket.socket) -> None:
+        with sock:
+            self._handler(index, sock)
+
+    def read_request(self, sock: socket.socket) -> bool:
+        """Read one request (head and Content-Length body); False when the client closed."""
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return False
+            buf += chunk
+        head, _, body = buf.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        self.requests.append(lines[0])
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(body) < length:
+            body += sock.recv(65536)
+        return True
+
+    def close(self) -> None:
+        self._listener.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+@pytest.fixture
+def peer() -> Iterator[Callable[[Handler], Peer]]:
+    made: list[Peer] = []
+
+    def make(handler: Handler) -> Peer:
+        p = Peer(handler)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def connect(p: Peer, read_timeout: float = 2.0) -> GatewayConnection:
+    return GatewayConnection(
+        "http", "127.0.0.1", p.port, connect_timeout=2.0, read_timeout=read_timeout
+    )
+
+
+def post(conn: GatewayConnection) -> gateway_connection.Answer:
+    return conn.request("POST", "/v1/x", {"Host": "gw"}, b'{"a":1}')
+
+
+OK = b'HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n{"id":1}'
+
+
+def serve(
+    make: Callable[[Handler], Peer], handler: Callable[[Peer, int, socket.socket], None]
+) -> Peer:
+    """A peer whose handler also gets the peer (to read requests and count them)."""
+    box: list[Peer] = []
+    p = make(lambda i, s: handler(box[0], i, s))
+    box.append(p)
+    return p
+
+
+def test_a_kept_connection_carries_every_request(peer: Callable[[Handler], Peer]) -> None:
+    def handler(p: Peer, _: int, sock: socket.socket) -> None:
+        while p.read_request(sock):
+            sock.sendall(OK)
+
+    p = serve(peer, handler)
+    conn = connect(p)
+    answers = [post(conn) for _ in range(5)]
+    assert [(a.status_code, a.content) for a in answers] == [(201, b'{"id":1}')] * 5
+    assert ("Content-Type", "application/json") in answers[0].raw_headers
+    assert answers[0].headers["content-type"] == "application/json"
+    assert p.accepted == 1 and len(p.requests) == 5
+    conn.close()
+
+
+def test_chunked_and_close_delimited_bodies_are_read_whole(
+    peer: Callable[[Handler], Peer],
+) -> None:
+    def handler(p: Peer, index: int, sock: socket.socket) -> None:
+        if not p.read_request(sock):
+            return
+        if index == 0:
+            sock.sendall(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b'4\r\n{"id\r\n5\r\n":12}\r\n0\r\n\r\n'
+            )
+            p.read_request(sock)  # kept: the next request comes here
+            sock.sendall(b'HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{"id":13}')
+        # a close-delimited body ends when the peer closes (leaving this handler)
+
+    p = serve(peer, handler)
+    conn = connect(p)
+    assert post(conn).content == b'{"id":12}'
+    assert post(conn).content == b'{"id":13}'
+    assert p.accepted == 1
+
+
+def test_connection_close_opens_a_new_connection_for_the_next_request(
+    peer: Callable[[Handler], Peer],
+) -> None:
+    def handler(p: Peer, _: int, sock: socket.socket) -> None:
+        if p.read_request(sock):
+            sock.sendall(
+                b"HTTP/1.1 201 Created\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}"
+            )
+
+    p = serve(peer, handler)
+    conn = connect(p)
+    assert [post(conn).status_code for _ in range(3)] == [201, 201, 201]
+    assert p.accepted == 3
+
+
+def test_a_kept_connection_the_peer_closed_is_not_written_into(
+    peer: Callable[[Handler], Peer],
+) -> None:
+    """The peer answers and closes while the connection idles (an idle timeout): the next
+    request goes on a new connection, so a request never lands in a dead one and looks
+    "maybe sent"."""
+
+    def handler(p: Peer, _: int, sock: socket.socket) -> None:
+        if p.read_request(sock):
+            sock.sendall(OK)  # keep-alive announced, then closed anyway
+
+    p = serve(peer, handler)
+    conn = connect(p)
+    assert post(conn).status_code == 201
+    time.sleep(0.2)  # the peer's close has arrived
+    assert post(conn).status_code == 201
+    assert p.accepted == 2 and len(p.requests) == 2
+
+
+def test_a_connection_idle_past_the_expiry_is_replaced(
+    peer: Callable[[Handler], Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gateway_connection, "KEEPALIVE_EXPIRY", 0.2)
+
+    def handler(p: Peer, _: int, sock: socket.socket) -> None:
+        while p.read_request(sock):
+            sock.sendall(OK)
+
+    p = serve(peer, handler)
+    conn = connect(p)
+    post(conn)
+    post(conn)
+    assert p.accepted == 1
+    time.sleep(0.3)
+    post(conn)
+    assert p.accepted == 2
+
+
+@pytest.mark.parametrize(
+    ("answer", "raised", "reason"),
+    [
+        (b"", httpx.RemoteProtocolError, "reset"),  # closed before a status line
+        (b"HTTP/1.1 2x1 Created\r\n\r\n", httpx.RemoteProtocolError, "reset"),
+        (b"garbage\r\n\r\n", httpx.RemoteProtocolError, "reset"),
+        (
+            b'HTTP/1.1 201 Created\r\nContent-Length: 100\r\n\r\n{"id',
+            httpx.RemoteProtocolError,
+            "reset",
+        ),
+        (
+            b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{"id',
+            httpx.RemoteProtocolError,
+            "reset",
+        ),
+    ],
+    ids=["closed", "bad-status", "not-http", "body-cut", "chunk-cut"],
+)
+def test_an_answer_cut_short_or_malformed_is_maybe_sent(
+    peer: Callable[[Handler], Peer], answer: bytes, raised: type[Exception], reason: str
+) -> None:
+    def handler(p: Peer, _: int, sock: socket.socket) -> None:
+        if p.read_request(sock):
+            sock.sendall(answer)
+
+    p = serve(peer, handler)
+    conn = connect(p)
+    with pytest.raises(raised) as info:
+        post(conn)
+    assert len(p.requests) == 1  # it was sent, so the outcome is unknown, never "not sent"
+    result = classify_transport_error(info.value)  # type: ignore[arg-type]
+    assert (result.outcome, result.reason, result.sent) == (Outcome.UNKNOWN, reason, True)
+    # the connection is dropped: the next request opens a new one
+    with pytest.raises(raised):
+        post(conn)
+    assert p.accepted == 2
+
+
+def test_no_answer_within_the_read_timeout_is_a_read_timeout(
+    peer: Callable[[Handler], Peer],
+) -> None:
+    stop = threading.Event()
+
+    def handler(p: Peer, _: int, sock: socket.socket) -> None:
+        if p.read_request(sock):
+            stop.wait(10)
+
+    p = serve(peer, handler)
+    conn = connect(p, read_timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout) as info:
+        post(conn)
+    assert time.monotonic() - start < 2
+    stop.set()
+    result = classify_transport_error(info.value)
+    assert (result.outcome, result.reason, result.sent) == (Outcome.UNKNOWN, "timeout", True)
+
+
+def test_a_refused_connection_is_not_sent() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    conn = GatewayConnection("http", "127.0.0.1", port, connect_timeout=1.0, read_timeout=1.0)
+    with pytest.raises(httpx.ConnectError) as info:
+        post(conn)
+    result = classify_transport_error(info.value)
+    assert (result.outcome, result.reason, result.sent) == (Outcome.RETRY, "connect_error", False)
+
+
+def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent(
+    peer: Callable[[Handler], Peer],
+) -> None:
+    def handler(p: Peer, _: int, sock: socket.socket) -> None:
+        while p.read_request(sock):
+            sock.sendall(OK)
+
+    p = serve(peer, handler)
+    conn = connect(p)
+    with pytest.raises(httpx.LocalProtocolError):
+        conn.request("POST", "/v1/x", {"Authorization": "Bearer a\r\nX-Evil: 1"}, b"{}")
+    assert post(conn).status_code == 201  # the connection is usable again
+    assert p.requests == [b"POST /v1/x HTTP/1.1"]
