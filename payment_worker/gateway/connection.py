@@ -72,8 +72,7 @@ class GatewayConnection:
         read_timeout: float,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self._connect_timeout = connect_timeout
-        self._read_timeout = read_timeout
+        self._read_timeout = read_timeout  # the connect's bound is the connection's timeout
         conn: http.client.HTTPConnection
         if scheme == "https":
             conn = http.client.HTTPSConnection(

@@ -114,12 +114,14 @@ def serve(
     return p
 
 
-def test_a_kept_connection_carries_every_request(peer: Callable[[Handler], Peer]) -> None:
-    def handler(p: Peer, _: int, sock: socket.socket) -> None:
-        while p.read_request(sock):
-            sock.sendall(OK)
+def keep_answering(p: Peer, _: int, sock: socket.socket) -> None:
+    """Answer OK to every request on the connection, keeping it open."""
+    while p.read_request(sock):
+        sock.sendall(OK)
 
-    p = serve(peer, handler)
+
+def test_a_kept_connection_carries_every_request(peer: Callable[[Handler], Peer]) -> None:
+    p = serve(peer, keep_answering)
     conn = connect(p)
     answers = [post(conn) for _ in range(5)]
     assert [(a.status_code, a.content) for a in answers] == [(201, b'{"id":1}')] * 5
@@ -190,11 +192,7 @@ def test_a_connection_idle_past_the_expiry_is_replaced(
 ) -> None:
     monkeypatch.setattr(gateway_connection, "KEEPALIVE_EXPIRY", 0.2)
 
-    def handler(p: Peer, _: int, sock: socket.socket) -> None:
-        while p.read_request(sock):
-            sock.sendall(OK)
-
-    p = serve(peer, handler)
+    p = serve(peer, keep_answering)
     conn = connect(p)
     post(conn)
     post(conn)
@@ -277,11 +275,7 @@ def test_a_refused_connection_is_not_sent() -> None:
 def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent(
     peer: Callable[[Handler], Peer],
 ) -> None:
-    def handler(p: Peer, _: int, sock: socket.socket) -> None:
-        while p.read_request(sock):
-            sock.sendall(OK)
-
-    p = serve(peer, handler)
+    p = serve(peer, keep_answering)
     conn = connect(p)
     with pytest.raises(httpx.LocalProtocolError):
         conn.request("POST", "/v1/x", {"Authorization": "Bearer a\r\nX-Evil: 1"}, b"{}")
