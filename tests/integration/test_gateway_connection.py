@@ -8,17 +8,27 @@ malformed, silent, or closing a kept connection while it idles.
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+import redis
+from pydantic import SecretStr
 
+from payment_worker.gateway import GatewayClient
 from payment_worker.gateway import connection as gateway_connection
 from payment_worker.gateway.connection import GatewayConnection
 from payment_worker.gateway.outcomes import Outcome, classify_transport_error
+from payment_worker.settings import Settings
+from tests.conftest import PwEnv
 
 Handler = Callable[[int, socket.socket], None]
 
@@ -26,8 +36,9 @@ Handler = Callable[[int, socket.socket], None]
 class Peer:
     """A listening socket; each accepted connection runs ``handler(index, sock)`` in a thread."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
         self._handler = handler
+        self._tls = tls
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.accepted = 0
@@ -48,6 +59,12 @@ class Peer:
             t.start()
 
     def _serve(self, index: int, sock: socket.socket) -> None:
+        if self._tls is not None:
+            try:
+                sock = self._tls.wrap_socket(sock, server_side=True)
+            except (ssl.SSLError, OSError):
+                sock.close()  # the client refused the certificate: nothing more comes
+                return
         with sock:
             self._handler(index, sock)
 
@@ -78,11 +95,11 @@ class Peer:
 
 
 @pytest.fixture
-def peer() -> Iterator[Callable[[Handler], Peer]]:
+def peer() -> Iterator[Callable[..., Peer]]:
     made: list[Peer] = []
 
-    def make(handler: Handler) -> Peer:
-        p = Peer(handler)
+    def make(handler: Handler, tls: ssl.SSLContext | None = None) -> Peer:
+        p = Peer(handler, tls)
         made.append(p)
         return p
 
@@ -105,11 +122,13 @@ OK = b'HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length:
 
 
 def serve(
-    make: Callable[[Handler], Peer], handler: Callable[[Peer, int, socket.socket], None]
+    make: Callable[..., Peer],
+    handler: Callable[[Peer, int, socket.socket], None],
+    tls: ssl.SSLContext | None = None,
 ) -> Peer:
     """A peer whose handler also gets the peer (to read requests and count them)."""
     box: list[Peer] = []
-    p = make(lambda i, s: handler(box[0], i, s))
+    p = make(lambda i, s: handler(box[0], i, s), tls)
     box.append(p)
     return p
 
@@ -120,7 +139,7 @@ def keep_answering(p: Peer, _: int, sock: socket.socket) -> None:
         sock.sendall(OK)
 
 
-def test_a_kept_connection_carries_every_request(peer: Callable[[Handler], Peer]) -> None:
+def test_a_kept_connection_carries_every_request(peer: Callable[..., Peer]) -> None:
     p = serve(peer, keep_answering)
     conn = connect(p)
     answers = [post(conn) for _ in range(5)]
@@ -132,7 +151,7 @@ def test_a_kept_connection_carries_every_request(peer: Callable[[Handler], Peer]
 
 
 def test_chunked_and_close_delimited_bodies_are_read_whole(
-    peer: Callable[[Handler], Peer],
+    peer: Callable[..., Peer],
 ) -> None:
     def handler(p: Peer, index: int, sock: socket.socket) -> None:
         if not p.read_request(sock):
@@ -154,7 +173,7 @@ def test_chunked_and_close_delimited_bodies_are_read_whole(
 
 
 def test_connection_close_opens_a_new_connection_for_the_next_request(
-    peer: Callable[[Handler], Peer],
+    peer: Callable[..., Peer],
 ) -> None:
     def handler(p: Peer, _: int, sock: socket.socket) -> None:
         if p.read_request(sock):
@@ -169,7 +188,7 @@ def test_connection_close_opens_a_new_connection_for_the_next_request(
 
 
 def test_a_kept_connection_the_peer_closed_is_not_written_into(
-    peer: Callable[[Handler], Peer],
+    peer: Callable[..., Peer],
 ) -> None:
     """The peer answers and closes while the connection idles (an idle timeout): the next
     request goes on a new connection, so a request never lands in a dead one and looks
@@ -188,7 +207,7 @@ def test_a_kept_connection_the_peer_closed_is_not_written_into(
 
 
 def test_a_connection_idle_past_the_expiry_is_replaced(
-    peer: Callable[[Handler], Peer], monkeypatch: pytest.MonkeyPatch
+    peer: Callable[..., Peer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(gateway_connection, "KEEPALIVE_EXPIRY", 0.2)
 
@@ -222,7 +241,7 @@ def test_a_connection_idle_past_the_expiry_is_replaced(
     ids=["closed", "bad-status", "not-http", "body-cut", "chunk-cut"],
 )
 def test_an_answer_cut_short_or_malformed_is_maybe_sent(
-    peer: Callable[[Handler], Peer], answer: bytes, raised: type[Exception], reason: str
+    peer: Callable[..., Peer], answer: bytes, raised: type[Exception], reason: str
 ) -> None:
     def handler(p: Peer, _: int, sock: socket.socket) -> None:
         if p.read_request(sock):
@@ -242,7 +261,7 @@ def test_an_answer_cut_short_or_malformed_is_maybe_sent(
 
 
 def test_no_answer_within_the_read_timeout_is_a_read_timeout(
-    peer: Callable[[Handler], Peer],
+    peer: Callable[..., Peer],
 ) -> None:
     stop = threading.Event()
 
@@ -273,7 +292,7 @@ def test_a_refused_connection_is_not_sent() -> None:
 
 
 def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent(
-    peer: Callable[[Handler], Peer],
+    peer: Callable[..., Peer],
 ) -> None:
     p = serve(peer, keep_answering)
     conn = connect(p)
@@ -281,3 +300,100 @@ def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent(
         conn.request("POST", "/v1/x", {"Authorization": "Bearer a\r\nX-Evil: 1"}, b"{}")
     assert post(conn).status_code == 201  # the connection is usable again
     assert p.requests == [b"POST /v1/x HTTP/1.1"]
+
+
+# --- TLS: real gateways are https ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (openssl; .ci/run installs it when missing)."""
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is needed for the TLS tests (.ci/run installs it)"
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+def server_tls(certificate: tuple[Path, Path]) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(str(certificate[0]), str(certificate[1]))
+    return ctx
+
+
+def test_https_carries_requests_on_one_kept_connection(
+    peer: Callable[..., Peer], certificate: tuple[Path, Path]
+) -> None:
+    p = serve(peer, keep_answering, server_tls(certificate))
+    trusting = ssl.create_default_context(cafile=str(certificate[0]))
+    conn = GatewayConnection(
+        "https", "127.0.0.1", p.port, connect_timeout=2.0, read_timeout=2.0, ssl_context=trusting
+    )
+    assert [post(conn).content for _ in range(3)] == [b'{"id":1}'] * 3
+    assert p.accepted == 1 and len(p.requests) == 3
+    conn.close()
+
+
+def test_a_certificate_not_trusted_is_a_connect_error_and_nothing_is_sent(
+    peer: Callable[..., Peer], certificate: tuple[Path, Path]
+) -> None:
+    p = serve(peer, keep_answering, server_tls(certificate))
+    conn = GatewayConnection(
+        "https",
+        "127.0.0.1",
+        p.port,
+        connect_timeout=2.0,
+        read_timeout=2.0,
+        ssl_context=ssl.create_default_context(),  # the system's roots: not our certificate
+    )
+    with pytest.raises(httpx.ConnectError) as info:
+        post(conn)
+    result = classify_transport_error(info.value)
+    assert (result.outcome, result.reason, result.sent) == (Outcome.RETRY, "connect_error", False)
+    assert p.requests == []
+
+
+def test_the_client_speaks_https_to_an_https_gateway_url(
+    pw_env: PwEnv,
+    peer: Callable[..., Peer],
+    certificate: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GatewayClient end to end over TLS: its context (httpx's, which reads SSL_CERT_FILE),
+    the port and Host header of the URL, a token, then a lookup."""
+
+    def gateway(p: Peer, _: int, sock: socket.socket) -> None:
+        while p.read_request(sock):
+            if p.requests[-1].startswith(b"POST /oauth/token "):
+                body = json.dumps({"access_token": "tok-1", "expires_in": 600}).encode()
+                status = b"200 OK"
+            else:
+                body, status = b'{"error":"not_found"}', b"404 Not Found"
+            sock.sendall(
+                b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+
+    p = serve(peer, gateway, server_tls(certificate))
+    monkeypatch.setenv("SSL_CERT_FILE", str(certificate[0]))
+    settings = Settings().model_copy(
+        update={
+            "gateway_url": f"https://127.0.0.1:{p.port}",
+            "gateway_client_secret": SecretStr("s"),
+        }
+    )
+    client = GatewayClient(settings, redis.Redis.from_url(settings.redis_url))
+    try:
+        looked = client.lookup_payment("acct-tls", "pw1-key")
+    finally:
+        client.close()
+    assert looked.outcome is Outcome.NOT_FOUND
+    assert [r.split(b" ")[:2] for r in p.requests] == [
+        [b"POST", b"/oauth/token"],
+        [b"GET", b"/v1/accounts/acct-tls/payments/pw1-key"],
+    ]
+    assert p.accepted == 1  # the token and the lookup on one kept TLS connection
