@@ -328,6 +328,9 @@ def test_a_batch_left_processing_with_every_item_terminal_is_completed(
     report = drain.run_account("acct-1", "b-full", srt)
     monkeypatch.setattr(repo, "record_and_finish", real_finish)
     assert report.result == "fenced_out"
+    # the drain sent every item before it was fenced out (it no longer counts them in its
+    # report: the fenced statement that records them raised before the count)
+    assert gateway_sim.ledger()["payments_sent"] == 3
     batch = "SELECT status, succeeded_count FROM batches WHERE batch_id = 'b-full'"
     assert db_conn.execute(batch).fetchone() == ("processing", 0)
     statuses = db_conn.execute("SELECT DISTINCT status FROM transactions").fetchall()
