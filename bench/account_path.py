@@ -7,7 +7,8 @@ Submits ``--accounts`` batches of ``--items`` items, one account each, then call
 Postgres, Redis and HTTP; no broker, no worker threads): the CPU seconds per account of the
 drain itself, without Celery and without the GIL contention of a loaded worker. Two runs with
 different ``--items`` separate the cost per account from the cost per item. It also counts
-the SQL statements per account (the drain's and the fencing upsert's). ``--profile``
+the SQL statements per account (the drain's and the fencing upsert's), and the Postgres
+server's CPU per account (every process of the server: backends, autovacuum). ``--profile``
 writes a cProfile of the timed part (``python -m pstats FILE``). Uses DATABASE_URL /
 REDIS_URL when set, else the embedded servers; a scratch database, Redis dbs 13 and 14.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from _env import git_rev, machine, scratch
 from sqlalchemy import event
+from throughput import _cpu_seconds, server_pids
 
 WARM = 20  # accounts drained before the clock starts (connections, first tokens, imports)
 
@@ -69,6 +71,7 @@ def main() -> int:
 
             event.listen(rt.engine, "before_cursor_execute", count)
             profiler = cProfile.Profile(time.process_time) if args.profile else None
+            pg0 = _server_cpu()
             cpu0, wall0 = time.process_time(), time.monotonic()
             if profiler is not None:
                 profiler.enable()
@@ -79,19 +82,27 @@ def main() -> int:
                 profiler.disable()
                 profiler.dump_stats(args.profile)
             cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+            pg = _server_cpu() - pg0
     n = args.accounts - WARM
     print(f"# account path  machine: {machine()}  commit: {git_rev()}")
     print()
     print(
         "| accounts | items each | CPU ms per account | wall ms per account "
-        "| SQL statements per account | profiled |"
+        "| SQL statements per account | Postgres CPU ms per account | profiled |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     print(
         f"| {n} | {args.items} | {1000 * cpu / n:.2f} | {1000 * wall / n:.2f} "
-        f"| {statements[0] / n:.2f} | {'yes' if args.profile else 'no'} |"
+        f"| {statements[0] / n:.2f} | {1000 * pg / n:.2f} | {'yes' if args.profile else 'no'} |"
     )
     return 0
+
+
+def _server_cpu() -> float:
+    """CPU seconds so far of the Postgres server's processes (a backend gone is left out);
+    the URLs are the scratch ones ``scratch()`` put in the environment."""
+    pids = server_pids(os.environ["DATABASE_URL"], os.environ["REDIS_URL"])["postgres"]
+    return sum(_cpu_seconds(p) for p in pids)
 
 
 if __name__ == "__main__":

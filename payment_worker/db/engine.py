@@ -86,6 +86,14 @@ class ConnectionLimits:
             )
             if value > 0 and not pgbouncer
         ]
+        query = make_url(url).query
+        given = query.get("options")
+        if isinstance(given, tuple):
+            given = " ".join(given)
+        if not pgbouncer and "jit" not in (given or ""):
+            # every statement here is short: JIT compilation only costs (a sweeper query on a
+            # server with LLVM, estimated above jit_above_cost, spent 1.7 s compiling)
+            server.append("-c jit=off")
         args: dict[str, Any] = {
             "connect_timeout": CONNECT_TIMEOUT_S,
             "keepalives": 1,
@@ -95,11 +103,7 @@ class ConnectionLimits:
         }
         if self.tcp_user_timeout_ms > 0:
             args["tcp_user_timeout"] = self.tcp_user_timeout_ms
-        query = make_url(url).query
         if server:
-            given = query.get("options")
-            if isinstance(given, tuple):
-                given = " ".join(given)
             args["options"] = " ".join([given, *server] if given else server)
         if application_name and "application_name" not in query:
             args["application_name"] = application_name

@@ -20,17 +20,26 @@ def test_the_settings_become_libpq_parameters() -> None:
         "keepalives_count": 3,
         "tcp_user_timeout": 60000,
         # at connect time, never a session SET (a transaction pooler would leak it)
-        "options": "-c statement_timeout=30000 -c lock_timeout=10000",
+        "options": "-c statement_timeout=30000 -c lock_timeout=10000 -c jit=off",
     }
 
 
 def test_options_of_the_url_are_kept_and_zero_is_not_sent() -> None:
     limits = ConnectionLimits(statement_timeout_ms=500, lock_timeout_ms=0, tcp_user_timeout_ms=0)
     args = limits.connect_args(URL + "?options=-c%20search_path%3Dpw")
-    assert args["options"] == "-c search_path=pw -c statement_timeout=500"
+    assert args["options"] == "-c search_path=pw -c statement_timeout=500 -c jit=off"
     assert "tcp_user_timeout" not in args
-    # nothing to send: the server's (or the role's) values hold, the URL's options untouched
-    assert "options" not in ConnectionLimits().connect_args(URL)
+    # no timeout to send: the server's (or the role's) values hold; JIT is off all the same
+    assert ConnectionLimits().connect_args(URL)["options"] == "-c jit=off"
+
+
+def test_jit_is_off_unless_the_url_says_otherwise() -> None:
+    # short statements only: JIT compilation would cost more than it saves (a sweeper query
+    # above jit_above_cost compiled for 1.7 s on a server with LLVM)
+    args = ConnectionLimits().connect_args(URL + "?options=-c%20jit%3Don")
+    assert "options" not in args  # the URL's own options reach libpq unchanged
+    args = ConnectionLimits(statement_timeout_ms=500).connect_args(URL + "?options=-c%20jit%3Don")
+    assert args["options"] == "-c jit=on -c statement_timeout=500"
 
 
 def test_every_setting_is_read() -> None:
@@ -60,6 +69,7 @@ def test_behind_pgbouncer_no_startup_options_and_no_prepared_statements() -> Non
     limits = ConnectionLimits.from_settings(Settings())
     args = limits.connect_args(URL, pgbouncer=True)
     # PgBouncer 1.18 refuses the startup parameter "options"; the role carries the timeouts
+    # (and jit = off)
     assert "options" not in args
     assert args["prepare_threshold"] is None
     assert "prepare_threshold" not in limits.connect_args(URL)
