@@ -34,6 +34,7 @@ from payment_worker.domain.statuses import (
 from payment_worker.domain.transitions import Doubt, ItemOutcome
 from payment_worker.errors import FencedOut, LockLost
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
+from payment_worker.locks.arrival import Arrival
 from payment_worker.worker.ports import Guard
 
 
@@ -231,8 +232,16 @@ class FakeStore:
 class FakeLock:
     """An account lock shared through ``holders``; each acquisition issues a new token."""
 
-    def __init__(self, account_id: str, store: FakeStore, holders: dict[str, FakeLock]) -> None:
+    def __init__(
+        self,
+        account_id: str,
+        store: FakeStore,
+        holders: dict[str, FakeLock],
+        marks: dict[str, str] | None = None,
+    ) -> None:
         self.account_id = account_id
+        # the Redis keys an Arrival writes (FakeQueue's marks): busy sets, taken clears
+        self._marks = marks if marks is not None else {}
         self.fence_token: int | None = None
         self.lost = False
         self.checks_left: int | None = None  # lose the lock after this many checks
@@ -240,9 +249,16 @@ class FakeLock:
         self._store = store
         self._holders = holders
 
-    def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
+    def acquire(
+        self, blocking: bool = False, timeout: float | None = None, arrival: Arrival | None = None
+    ) -> bool:
         if self.account_id in self._holders:
+            if arrival is not None:
+                self._marks[arrival.mark] = arrival.value
             return False
+        if arrival is not None:
+            for key in (arrival.mark, *arrival.cleared):
+                self._marks.pop(key, None)
         self._holders[self.account_id] = self
         self._store.fences[self.account_id] += 1
         self.fence_token = self._store.fences[self.account_id]
@@ -327,22 +343,18 @@ class FakeGateway:
 
 @dataclass
 class FakeQueue:
-    """The "work waiting" marks and what was put on the queue."""
+    """The "work waiting" marks (by account, the batch that left it) and what was put on the
+    queue; a FakeLock given ``marks`` writes them as the real lock's script does."""
 
-    marks: set[str] = field(default_factory=set)
+    marks: dict[str, str] = field(default_factory=dict)
     handed_off: list[tuple[str, str]] = field(default_factory=list)
     scheduled: list[tuple[str, str, float]] = field(default_factory=list)
-    remark_on_consume: int = 0  # re-announce this many times right after a consume
+
+    def arrival(self, account_id: str, batch_id: str) -> Arrival:
+        return Arrival(account_id, batch_id, 120_000)
 
     def announce(self, account_id: str, batch_id: str) -> None:
-        self.marks.add(account_id)
-
-    def consume(self, account_id: str) -> None:
-        self.marks.discard(account_id)
-        if self.remark_on_consume > 0:
-            # another task arrives while the holder drains
-            self.remark_on_consume -= 1
-            self.marks.add(account_id)
+        self.marks[account_id] = batch_id
 
     def announced(self, account_id: str) -> bool:
         return account_id in self.marks

@@ -41,6 +41,7 @@ from redis.exceptions import RedisError
 from payment_worker import lua
 from payment_worker.db.fences import next_fence_token
 from payment_worker.errors import LockLost, LockNotAcquired
+from payment_worker.locks.arrival import Arrival
 from payment_worker.locks.liveness import (
     TAKEOVER_LUA,
     Liveness,
@@ -178,7 +179,9 @@ class AccountLock:
 
     # --- acquire ----------------------------------------------------------------------
 
-    def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
+    def acquire(
+        self, blocking: bool = False, timeout: float | None = None, arrival: Arrival | None = None
+    ) -> bool:
         """Take the lock; True on success, then :attr:`fence_token` is set.
 
         Non-blocking (the default, or ``timeout <= 0``): one ``SET NX PX``. Blocking:
@@ -186,6 +189,9 @@ class AccountLock:
         holder's release to hand the lock over. On success one Postgres round trip
         takes the fencing token and the lock joins the renewer; if that step fails the Redis
         lock is released and the error re-raised.
+
+        ``arrival``: the work this attempt brings (:mod:`.arrival`): its mark is left when the
+        lock is not taken, and the marks are cleared when it is, in the ``SET NX``'s round trip.
         """
         with self._state:
             if self._token is not None:
@@ -200,11 +206,13 @@ class AccountLock:
             if found is None:
                 LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
                 log.warning("lock_not_taken_liveness_failing", account_id=self.account_id)
+                if arrival is not None:
+                    arrival.leave_mark(self._redis)
                 return False
             epoch = found
             token = lock_value(self._liveness.holder_id, token)
         try:
-            granted_at = self._take(token, blocking, timeout, started)
+            granted_at = self._take(token, blocking, timeout, started, arrival)
         except RedisError:
             LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
             raise
@@ -233,21 +241,28 @@ class AccountLock:
         return True
 
     def _take(
-        self, token: str, blocking: bool, timeout: float | None, started: float
+        self,
+        token: str,
+        blocking: bool,
+        timeout: float | None,
+        started: float,
+        arrival: Arrival | None = None,
     ) -> float | None:
         """Get the Redis lock; the clock reading taken before the granting command, or None."""
         sent = _clock()
-        if self._redis.set(self.key, token, nx=True, px=self.ttl_ms):
+        if arrival is not None:
+            if arrival.take(self._redis, self.key, token, self.ttl_ms):
+                return sent
+        elif self._redis.set(self.key, token, nx=True, px=self.ttl_ms):
             return sent
         LOCK_CONTENTION.inc()
-        if self._liveness is not None:
-            taken_at = self._take_over(token)
-            if taken_at is not None:
-                return taken_at
-        if not blocking or (timeout is not None and timeout <= 0):
-            return None
-        until = None if timeout is None else started + timeout
-        return self._wait_in_queue(token, until)
+        granted = self._take_over(token) if self._liveness is not None else None
+        if granted is None and blocking and (timeout is None or timeout > 0):
+            until = None if timeout is None else started + timeout
+            granted = self._wait_in_queue(token, until)
+        if granted is not None and arrival is not None:
+            arrival.clear(self._redis)  # taken from a dead holder, or handed over
+        return granted
 
     def _take_over(self, token: str) -> float | None:
         """The lock is held: if its holder process is dead (liveness key gone), take it.

@@ -115,16 +115,19 @@ class Drainer:
 
     def run_account(self, account_id: str, batch_id: str) -> DrainReport:
         """Drain the account's due work if its lock is free; otherwise leave a mark and return."""
-        # mark before trying the lock: the holder checks the mark after it releases, so work
+        # the lock attempt leaves the mark when the lock is busy, and clears the marks when
+        # it is taken, in one step: the holder checks the mark after it releases, so work
         # announced here is either seen by the holder or finds the lock free
-        self._queue.announce(account_id, batch_id)
+        arrival = self._queue.arrival(account_id, batch_id)
         report = DrainReport(account_id)
         while True:
             lock = self._lock_for(account_id)
             try:
                 # the fencing token is a database call: a blip is retried (no lock held)
                 acquired = self._db_retry.call(
-                    "acquire", partial(lock.acquire, blocking=False), account_id=account_id
+                    "acquire",
+                    partial(lock.acquire, blocking=False, arrival=arrival),
+                    account_id=account_id,
                 )
             except DatabaseUnavailable as exc:
                 report.result = "db_unavailable"
@@ -138,8 +141,7 @@ class Drainer:
             started = self._clock()
             IN_PROGRESS.inc()
             try:
-                self._queue.consume(account_id)  # everything committed so far is drained below
-                self._drain(lock, batch_id, report)
+                self._drain(lock, batch_id, report)  # everything committed so far
             finally:
                 IN_PROGRESS.dec()
                 try:

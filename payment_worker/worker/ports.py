@@ -15,6 +15,7 @@ from payment_worker.db.work import Claim
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.transitions import ItemOutcome
 from payment_worker.gateway.outcomes import GatewayResult
+from payment_worker.locks.arrival import Arrival
 
 Guard = Callable[[], None]
 """Raises when the caller may no longer send (the lock's ``ensure_held``)."""
@@ -61,8 +62,11 @@ class HeldLock(Protocol):
         """The fencing token of the current acquisition."""
         ...
 
-    def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
-        """Take the lock (non-blocking by default)."""
+    def acquire(
+        self, blocking: bool = False, timeout: float | None = None, arrival: Arrival | None = None
+    ) -> bool:
+        """Take the lock (non-blocking by default); ``arrival``'s mark is left when it is not
+        taken, and cleared when it is, in the same step."""
         ...
 
     def ensure_held(self) -> None:
@@ -108,16 +112,14 @@ class Gateway(Protocol):
 class AccountQueue(Protocol):
     """How work reaches an account's holder: the "work waiting" mark and the broker."""
 
-    def announce(self, account_id: str, batch_id: str) -> None:
-        """Leave the mark a holder checks after releasing (work arrived while it held)."""
-        ...
-
-    def consume(self, account_id: str) -> None:
-        """Clear the mark: everything committed so far is about to be drained."""
+    def arrival(self, account_id: str, batch_id: str) -> Arrival:
+        """The work a task brings to the account's lock attempt: the mark a busy holder checks
+        after releasing, and the marks a taker clears (everything committed so far is then
+        drained by the taker)."""
         ...
 
     def announced(self, account_id: str) -> bool:
-        """Whether the mark was left again since :meth:`consume`."""
+        """Whether the mark was left again since the lock was taken."""
         ...
 
     def hand_off(self, account_id: str, batch_id: str) -> None:

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from payment_worker import lua
+from payment_worker.locks.arrival import Arrival
 from payment_worker.ops.logging import get_logger
 from payment_worker.runtime import Runtime
 from payment_worker.worker.celery_app import app
@@ -167,18 +168,26 @@ class RedisAccountQueue:
         # have its work forgotten while the holder drains
         self._mark_ms = rt.settings.lock_ttl_ms * 4
 
+    def arrival(self, account_id: str, batch_id: str) -> Arrival:
+        """The "work waiting" mark of the account (its holder checks it after releasing),
+        and the marks a taker clears with it: the sweeper's and the queued one (a message on
+        its way, repair or not, has done its job once a holder has the account; a message
+        published after that sets the queued mark again). All in the account's slot."""
+        keys = self._rt.keys
+        return Arrival(
+            keys.waiting(account_id),
+            batch_id,
+            self._mark_ms,
+            (keys.swept(account_id), keys.queued(account_id)),
+        )
+
     def announce(self, account_id: str, batch_id: str) -> None:
-        """Leave the "work waiting" mark of the account."""
-        self._rt.redis.set(self._rt.keys.waiting(account_id), batch_id, px=self._mark_ms)
+        """Leave the "work waiting" mark of the account (without trying its lock)."""
+        self.arrival(account_id, batch_id).leave_mark(self._rt.redis)
 
     def consume(self, account_id: str) -> None:
-        """Clear the mark, the sweeper's and the queued one: a message on its way, repair or
-        not, has done its job now that a holder has the account (all keys in the account's
-        slot). A message published after this sets the queued mark again."""
-        keys = self._rt.keys
-        self._rt.redis.delete(
-            keys.waiting(account_id), keys.swept(account_id), keys.queued(account_id)
-        )
+        """Clear the marks as a taker does (:meth:`arrival`), for a lock taken without one."""
+        self.arrival(account_id, "").clear(self._rt.redis)
 
     def announced(self, account_id: str) -> bool:
         """Whether a task left the mark again."""

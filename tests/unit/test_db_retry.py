@@ -19,6 +19,7 @@ from payment_worker.domain.retry import Backoff
 from payment_worker.domain.statuses import TxStatus
 from payment_worker.domain.transitions import ItemOutcome, Policy
 from payment_worker.errors import DatabaseUnavailable
+from payment_worker.locks.arrival import Arrival
 from payment_worker.worker.drain import Drainer, DrainLimits
 from payment_worker.worker.store_retry import DbRetry
 from tests.fakes import FakeClock, FakeGateway, FakeLock, FakeQueue, FakeStore
@@ -241,10 +242,12 @@ class BlippingLock(FakeLock):
         super().__init__(*args)
         self.failures = failures
 
-    def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
+    def acquire(
+        self, blocking: bool = False, timeout: float | None = None, arrival: Arrival | None = None
+    ) -> bool:
         if self.failures:
             raise self.failures.pop()
-        return super().acquire(blocking, timeout)
+        return super().acquire(blocking, timeout, arrival)
 
 
 def test_taking_the_fencing_token_is_retried_too() -> None:

@@ -49,7 +49,7 @@ class World:
     stopping: list[bool] = field(default_factory=lambda: [False])  # a warm shutdown began
 
     def lock_for(self, account_id: str) -> FakeLock:
-        lock = FakeLock(account_id, self.store, self.holders)
+        lock = FakeLock(account_id, self.store, self.holders, self.queue.marks)
         self.locks.append(lock)
         return lock
 
@@ -104,7 +104,7 @@ def test_claim_send_record_and_complete(w: World) -> None:
     assert all(w.gateway.sends(r.key) == 1 for r in rows)
     assert w.store.completed == [1, 2]
     # one store for the whole drain; the lock released; no mark left behind
-    assert w.store.opened == 1 and w.holders == {} and w.queue.marks == set()
+    assert w.store.opened == 1 and w.holders == {} and w.queue.marks == {}
 
 
 @pytest.mark.parametrize(("items", "claims"), [(5, 1), (10, 2), (12, 3), (3, 1)])
@@ -269,11 +269,11 @@ def test_a_long_drain_that_took_everything_is_not_handed_off(w: World) -> None:
 
 def test_a_busy_account_gets_a_mark_and_no_send(w: World) -> None:
     w.store.add(ACCT, 1, 2)
-    other = FakeLock(ACCT, w.store, w.holders)
+    other = FakeLock(ACCT, w.store, w.holders, w.queue.marks)
     assert other.acquire()
     report = w.run()
     assert report.result == "contended"  # type: ignore[attr-defined]
-    assert w.queue.announced(ACCT) and w.gateway.calls == []
+    assert w.queue.marks == {ACCT: "batch-1"} and w.gateway.calls == []
 
 
 def test_the_holder_rechecks_the_mark_after_releasing_and_drains_again(w: World) -> None:
@@ -302,7 +302,7 @@ def test_the_holder_rechecks_the_mark_after_releasing_and_drains_again(w: World)
     w.run()
     assert len(w.locks) == 2  # drained, released, saw the mark, drained again
     assert w.store.statuses() == {"succeeded": 5} and len(late) == 3
-    assert w.queue.marks == set()
+    assert w.queue.marks == {}
 
 
 # --- in doubt: patience in time, the gateway's memory, answers read as the protocol says ---

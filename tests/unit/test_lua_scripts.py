@@ -36,6 +36,7 @@ def test_the_scripts_are_there() -> None:
         "lock_cancel",
         "lock_release",
         "lock_renew",
+        "lock_take",
         "lock_takeover",
         "lock_wait",
         "pace_acquire",
