@@ -243,6 +243,7 @@ class FakeLock:
         # the Redis keys an Arrival writes (FakeQueue's marks): busy sets, taken clears
         self._marks = marks if marks is not None else {}
         self.fence_token: int | None = None
+        self.marked: bool | None = None
         self.lost = False
         self.checks_left: int | None = None  # lose the lock after this many checks
         self.progress_at: list[float] = []  # the clock at each progress report
@@ -275,7 +276,8 @@ class FakeLock:
     def progress(self) -> None:
         self.progress_at.append(self._store.clock())
 
-    def release(self) -> bool:
+    def release(self, arrival: Arrival | None = None) -> bool:
+        self.marked = None if arrival is None else arrival.mark in self._marks
         if self._holders.get(self.account_id) is self:
             del self._holders[self.account_id]
             return True

@@ -151,6 +151,8 @@ class AccountLock:
         self.key = self._keys.lock(account_id)
         self.fence_token: int | None = None
         self.lost_reason: str | None = None
+        # after release(arrival): whether its mark was there (None: not read)
+        self.marked: bool | None = None
         self._redis = redis
         self._engine = engine
         self._on_lost = on_lost
@@ -451,13 +453,15 @@ class AccountLock:
 
     # --- release ----------------------------------------------------------------------
 
-    def release(self) -> bool:
+    def release(self, arrival: Arrival | None = None) -> bool:
         """Give the lock back: owner-checked, stops its renewal at once, wakes one waiter.
 
         Returns True when the lock was ours and is now free or handed to the oldest
         waiter; False (logged and counted) when it was no longer ours, and False when
-        Redis could not be reached (the TTL frees the lock).
+        Redis could not be reached (the TTL frees the lock). With ``arrival``, its mark is
+        read in the same round trip: :attr:`marked`.
         """
+        self.marked = None
         with self._state:
             token = self._token
             self._token = None
@@ -468,8 +472,11 @@ class AccountLock:
             return False
         keys = [self.key, self._queue_key, self._waiters_key]
         try:
-            reply = self._release(keys=keys, args=[token, self.ttl_ms])
+            extra = [arrival.mark] if arrival is not None else []
+            reply = self._release(keys=keys + extra, args=[token, self.ttl_ms])
             code = int(reply[0])
+            if extra:
+                self.marked = int(reply[-1]) == 1
             if code == 2:
                 nxt = _text(reply[1])
                 wake = self._keys.lock_wake(self.account_id, nxt)

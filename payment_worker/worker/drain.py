@@ -149,7 +149,7 @@ class Drainer:
                     # slots this holder leased and did not use already given back
                     self._gateway.done_with(account_id)
                 finally:
-                    lock.release()
+                    lock.release(arrival)  # and reads the mark, in one round trip
                 BATCH_SECONDS.observe(self._clock() - started)
             if report.handed_off:
                 self._queue.hand_off(account_id, batch_id)
@@ -164,7 +164,8 @@ class Drainer:
                 break
             if report.result == "fenced_out":
                 break
-            if not self._queue.announced(account_id):
+            marked = lock.marked
+            if not (self._queue.announced(account_id) if marked is None else marked):
                 break
         TASK_EXECUTIONS.labels(report.result).inc()
         log.info(

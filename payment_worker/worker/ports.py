@@ -78,8 +78,15 @@ class HeldLock(Protocol):
         ``LOCK_MAX_STALL_SECONDS`` loses its lock (the watchdog stops renewing it)."""
         ...
 
-    def release(self) -> bool:
-        """Give the lock back (owner-checked)."""
+    def release(self, arrival: Arrival | None = None) -> bool:
+        """Give the lock back (owner-checked); with ``arrival``, read its mark in the same
+        step into :attr:`marked`."""
+        ...
+
+    @property
+    def marked(self) -> bool | None:
+        """After ``release(arrival)``: whether the mark was there (work arrived while the
+        lock was held); None when it could not be read."""
         ...
 
 

@@ -1,6 +1,7 @@
 """A task's lock attempt carries its work (locks/arrival.py, lua/lock_take.lua): the mark a
 busy holder checks after releasing, or, when the lock is taken, every mark cleared; one
-Redis round trip where there were three (mark, SET NX, delete the marks)."""
+Redis round trip where there were three (mark, SET NX, delete the marks). The holder's
+release reads the mark in its own round trip (lua/lock_release.lua, KEYS[4])."""
 
 from __future__ import annotations
 
@@ -90,12 +91,37 @@ def test_a_busy_lock_leaves_the_mark_for_its_holder(
         assert redis_client.get(rt.keys.queued(ACCT)) == b"123"
         assert queue.announced(ACCT)
     finally:
-        holder.release()
-    # the holder's next attempt (after it saw the mark) takes the lock and clears it
+        assert holder.release(queue.arrival(ACCT, "b-1"))
+    assert holder.marked is True  # the holder learns of b-2 as it releases
+    # its next attempt takes the lock and clears the mark; the next release finds none
     again = rt.account_lock(ACCT)
     assert again.acquire(arrival=queue.arrival(ACCT, "b-1"))
-    again.release()
-    assert not queue.announced(ACCT)
+    assert again.release(queue.arrival(ACCT, "b-1"))
+    assert again.marked is False and not queue.announced(ACCT)
+
+
+def test_a_release_reads_the_mark_in_its_own_round_trip(
+    rt: runtime.Runtime, redis_client: redis.Redis, commands: list[str]
+) -> None:
+    queue = RedisAccountQueue(rt)
+    lock = rt.account_lock(ACCT)
+    assert lock.acquire(arrival=queue.arrival(ACCT, "b-1"))
+    redis_client.set(rt.keys.waiting(ACCT), "b-2", px=60_000)  # a task found it busy
+    commands.clear()
+    assert lock.release(queue.arrival(ACCT, "b-1"))
+    assert commands == ["EVALSHA"] and lock.marked is True
+    assert not redis_client.exists(rt.keys.lock(ACCT))
+    # a lock no longer ours is not touched, and the mark is read all the same
+    assert lock.acquire(arrival=queue.arrival(ACCT, "b-1"))
+    redis_client.set(rt.keys.lock(ACCT), "someone-else-1-x:abc", px=30_000)
+    redis_client.set(rt.keys.waiting(ACCT), "b-3", px=60_000)
+    assert not lock.release(queue.arrival(ACCT, "b-1"))
+    assert lock.marked is True
+    assert redis_client.get(rt.keys.lock(ACCT)) == b"someone-else-1-x:abc"
+    # without an arrival nothing is read
+    other = rt.account_lock("acct-2")
+    assert other.acquire()
+    assert other.release() and other.marked is None
 
 
 def test_a_dead_holders_lock_taken_over_clears_the_marks(

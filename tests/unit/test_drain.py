@@ -18,6 +18,7 @@ from payment_worker.domain.retry import Backoff
 from payment_worker.domain.statuses import TxStatus
 from payment_worker.domain.transitions import Policy
 from payment_worker.gateway.outcomes import Outcome
+from payment_worker.locks.arrival import Arrival
 from payment_worker.worker.drain import Drainer, DrainLimits
 from tests.fakes import (
     FakeClock,
@@ -287,15 +288,14 @@ def test_the_holder_rechecks_the_mark_after_releasing_and_drains_again(w: World)
             first_lock.append(lock)
             release = lock.release
 
-            def release_then_new_work() -> bool:
-                done = release()
+            def new_work_then_release(arrival: Arrival | None = None) -> bool:
                 # a batch committed after the holder's last claim, whose task found the lock
-                # busy and left its mark: only the holder's re-check can pick it up now
+                # busy and left its mark: only the holder's check as it releases sees it now
                 late.extend(w.store.add(ACCT, 2, 3))
                 w.queue.announce(ACCT, "batch-2")
-                return done
+                return release(arrival)
 
-            lock.release = release_then_new_work  # type: ignore[method-assign]
+            lock.release = new_work_then_release  # type: ignore[method-assign]
         return lock
 
     w.lock_for = lock_for  # type: ignore[method-assign]
