@@ -114,13 +114,10 @@ transactions = Table(
     CheckConstraint(_in("status", TxStatus), name="transactions_status_check"),
 )
 Index("transactions_batch_idx", transactions.c.batch_pk, transactions.c.id)
-# the worker's and the sweeper's queries: open items by due time, and by account
-Index(
-    "transactions_open_due_idx",
-    transactions.c.status,
-    transactions.c.next_attempt_at,
-    postgresql_where=text(OPEN_TX_PREDICATE),
-)
+# one account's open items in batch order: the claim, the drain's last statement, the
+# sweeper's per-batch probe. The only partial index of open items (0005 dropped one on
+# status and due time: with the same predicate, stale statistics made the planner scan all of
+# it for one account's rows)
 Index(
     "transactions_open_account_order_idx",
     transactions.c.account_id,

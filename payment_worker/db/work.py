@@ -434,9 +434,12 @@ def stalled_accounts(
 # drain that ended (lock lost, fenced out, crashed) between recording a batch's last items and
 # completing it (two statements in older releases; now only after a chunk that claimed more)
 # leaves the batch "processing" and, with no due item left, nothing would ever start a
-# holder for it. The open-items probe spells the partial indexes'
-# predicate (transactions_open_account_order_idx); the age is read only for batches without
-# an open item.
+# holder for it. Every open batch gets one probe for an open item through the partial index
+# (transactions_open_account_order_idx, whose predicate the probe spells); OFFSET 0 keeps the
+# probe a correlated subplan: flattened into an anti join, the planner ran it, on stale
+# statistics, as a hash join over a scan of every transaction, or with a full index scan
+# as its inner side for each open batch (19 s a pass). The age is read only for batches the
+# probe passes (the cheaper filter runs first).
 _UNCOMPLETED = text(f"""
 SELECT b.account_id, min(b.batch_id) AS batch_id
 FROM batches b
@@ -444,6 +447,7 @@ WHERE b.status <> 'completed'
   AND NOT EXISTS (
       SELECT 1 FROM transactions t
       WHERE t.account_id = b.account_id AND t.batch_pk = b.id AND t.{OPEN_TX_PREDICATE}
+      OFFSET 0
   )
   AND (SELECT max(t.updated_at) FROM transactions t WHERE t.batch_pk = b.id)
       < now() - make_interval(secs => :stale)
