@@ -274,7 +274,7 @@ _COMPLETABLE = f"""{_BATCH_COUNTS}
 """
 
 # the account's earliest open item's due time (NULL: nothing open); the predicate spelled as
-# the partial indexes' (transactions_open_account_order_idx), so the planner can use them
+# the partial index's (transactions_open_account_order_idx), so the planner can use it
 _NEXT_DUE_AT = f"""
 SELECT min(next_attempt_at) FROM transactions t WHERE t.account_id = :acct AND t.{OPEN_TX_PREDICATE}
 """
