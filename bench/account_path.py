@@ -8,7 +8,8 @@ Postgres, Redis and HTTP; no broker, no worker threads): the CPU seconds per acc
 drain itself, without Celery and without the GIL contention of a loaded worker. Two runs with
 different ``--items`` separate the cost per account from the cost per item. It also counts
 the SQL statements per account (the drain's and the fencing upsert's), and the Postgres
-server's CPU per account (every process of the server: backends, autovacuum). ``--profile``
+server's CPU per account (its processes alive at both readings: an autovacuum worker that
+came and went is left out). ``--profile``
 writes a cProfile of the timed part (``python -m pstats FILE``). Uses DATABASE_URL /
 REDIS_URL when set, else the embedded servers; a scratch database, Redis dbs 13 and 14.
 """
