@@ -181,14 +181,6 @@ class RedisAccountQueue:
             (keys.swept(account_id), keys.queued(account_id)),
         )
 
-    def announce(self, account_id: str, batch_id: str) -> None:
-        """Leave the "work waiting" mark of the account (without trying its lock)."""
-        self.arrival(account_id, batch_id).leave_mark(self._rt.redis)
-
-    def consume(self, account_id: str) -> None:
-        """Clear the marks as a taker does (:meth:`arrival`), for a lock taken without one."""
-        self.arrival(account_id, "").clear(self._rt.redis)
-
     def announced(self, account_id: str) -> bool:
         """Whether a task left the mark again."""
         return bool(self._rt.redis.exists(self._rt.keys.waiting(account_id)))

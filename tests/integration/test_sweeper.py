@@ -418,8 +418,12 @@ def test_a_holder_taking_the_account_clears_its_queued_mark(srt: runtime.Runtime
     _save("b-1", "acct-1", srt)
     enqueue_batch("b-1", rt=srt, account_id="acct-1")
     assert srt.redis.get(srt.keys.queued("acct-1")) is not None
-    RedisAccountQueue(srt).consume("acct-1")
-    assert srt.redis.get(srt.keys.queued("acct-1")) is None
+    holder = srt.account_lock("acct-1")
+    assert holder.acquire(arrival=RedisAccountQueue(srt).arrival("acct-1", "b-1"))
+    try:
+        assert srt.redis.get(srt.keys.queued("acct-1")) is None
+    finally:
+        holder.release()
 
 
 def test_an_account_drained_since_the_sweeps_query_is_not_repaired(
@@ -472,8 +476,8 @@ def test_an_account_taken_between_the_lock_read_and_the_mark_read_is_busy(
 
     def read_then_a_task_starts(*args: Any) -> list[bytes | None]:
         values = first_read(*args)
-        assert holder.acquire()  # the task takes the lock, then clears the marks
-        RedisAccountQueue(srt).consume("acct-1")
+        # the task takes the lock, and clears the marks in the same script
+        assert holder.acquire(arrival=RedisAccountQueue(srt).arrival("acct-1", "b-1"))
         return values
 
     monkeypatch.setattr(sweeper, "read_locks", read_then_a_task_starts)
