@@ -40,6 +40,7 @@ from redis.exceptions import RedisError
 
 from payment_worker import lua
 from payment_worker.db.fences import next_fence_token
+from payment_worker.db.retry import transient_reason
 from payment_worker.errors import LockLost, LockNotAcquired
 from payment_worker.locks.arrival import Arrival
 from payment_worker.locks.liveness import (
@@ -53,6 +54,7 @@ from payment_worker.locks.watchdog import Lease, Renewer, StallRule, renewal_cli
 from payment_worker.locks.watchdog import clock as _clock
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
+    DB_RETRIES,
     LOCK_ACQUIRE_SECONDS,
     LOCK_CONTENTION,
     LOCK_LOST,
@@ -104,6 +106,11 @@ def _fence(engine: sqlalchemy.Engine, account_id: str) -> int:
         except sqlalchemy.exc.DBAPIError as exc:
             if attempt == 2 or not exc.connection_invalidated:
                 raise
+            # counted as the drain's retries are: the pool replaces its other dead connections
+            # after this one, so a restart met here first would otherwise leave no trace
+            reason = transient_reason(exc) or "disconnect"
+            DB_RETRIES.labels(reason).inc()
+            log.warning("db_retry", account_id=account_id, op="fence", reason=reason, attempt=1)
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -355,3 +355,39 @@ def test_waiters_are_served_in_arrival_order(redis_client: redis.Redis, engine: 
     for t in threads:
         t.join(10)
     assert order == [0, 1, 2, 3, 4]
+
+
+def test_a_fence_on_a_connection_that_died_is_retried_and_counted(
+    pw_env: PwEnv, redis_client: redis.Redis
+) -> None:
+    """A Postgres restart met first by a fencing upsert is retried at once on a fresh
+    connection, and counted with the drain's database retries: the pool replaces its other
+    dead connections after this one, so nothing else would show the restart."""
+    import psycopg
+
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    eng = make_engine(url, pool_size=1, application_name="pw-fence-test")
+    try:
+        warm = make_lock(redis_client, eng)
+        assert warm.acquire()  # the pool now holds one connection
+        warm.release()
+        with psycopg.connect(pw_env.database_url, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = 'pw-fence-test'"
+            )
+        before = sum(
+            metric("payment_worker_db_retries_total", reason=r)
+            for r in ("admin_shutdown", "disconnect", "connection")
+        )
+        lock = make_lock(redis_client, eng)
+        assert lock.acquire()
+        assert lock.fence_token is not None and lock.fence_token > 1
+        lock.release()
+        after = sum(
+            metric("payment_worker_db_retries_total", reason=r)
+            for r in ("admin_shutdown", "disconnect", "connection")
+        )
+        assert after == before + 1
+    finally:
+        eng.dispose()
