@@ -302,6 +302,7 @@ class FakeGateway:
         self.paid: dict[str, int] = defaultdict(int)
         self.on_call: Any = None  # a hook run before each answer (e.g. to lose the lock)
         self.done: list[str] = []  # accounts whose holder said it was done with them
+        self.held: list[bool] = []  # each call's `held`: the caller said it holds the lock
 
     def create_payment(
         self,
@@ -309,10 +310,13 @@ class FakeGateway:
         transaction: PaymentRequest,
         idempotency_key: str,
         guard: Guard | None = None,
+        *,
+        held: bool = False,
     ) -> GatewayResult:
         if guard is not None:
             guard()  # as the real client: the last check before the request leaves
         self.calls.append(("create", idempotency_key))
+        self.held.append(held)
         if self.on_call is not None:
             self.on_call("create", idempotency_key)
         queued = self.script[idempotency_key]
@@ -324,11 +328,17 @@ class FakeGateway:
         return result
 
     def lookup_payment(
-        self, account_id: str, idempotency_key: str, guard: Guard | None = None
+        self,
+        account_id: str,
+        idempotency_key: str,
+        guard: Guard | None = None,
+        *,
+        held: bool = False,
     ) -> GatewayResult:
         if guard is not None:
             guard()
         self.calls.append(("lookup", idempotency_key))
+        self.held.append(held)
         queued = self.lookup_script[idempotency_key]
         if queued:
             return queued.popleft()

@@ -129,11 +129,15 @@ class GatewayClient:
         transaction: PaymentRequest,
         idempotency_key: str,
         guard: Guard | None = None,
+        *,
+        held: bool = False,
     ) -> GatewayResult:
         """``POST /v1/accounts/{account_id}/payments`` with the transaction's stable key.
 
         ``guard`` (e.g. ``AccountLock.ensure_held``) runs right before every send, after the
         token and the pacing wait, so a lock lost while waiting stops the send (it raises).
+        ``held``: the caller holds the account's lock, so past its pacing lease it keeps its
+        own spacing without a Redis round trip (:mod:`payment_worker.gateway.pacing`).
         """
         if transaction.account_id != account_id:
             raise ValueError(
@@ -153,12 +157,19 @@ class GatewayClient:
                 transaction.body(),
             ),
             guard,
+            held,
         )
 
     def lookup_payment(
-        self, account_id: str, idempotency_key: str, guard: Guard | None = None
+        self,
+        account_id: str,
+        idempotency_key: str,
+        guard: Guard | None = None,
+        *,
+        held: bool = False,
     ) -> GatewayResult:
-        """``GET /v1/accounts/{account_id}/payments/{idempotency_key}``; ``guard`` as above."""
+        """``GET /v1/accounts/{account_id}/payments/{idempotency_key}``; ``guard`` and
+        ``held`` as above."""
         check_idempotency_key(idempotency_key)
         path = f"/v1/accounts/{_seg(account_id)}/payments/{_seg(idempotency_key)}"
         return self._call(
@@ -167,6 +178,7 @@ class GatewayClient:
             classify_lookup,
             lambda token: self._request("GET", path, {"Authorization": "Bearer " + token}),
             guard,
+            held,
         )
 
     def done_with(self, account_id: str) -> None:
@@ -199,6 +211,7 @@ class GatewayClient:
         classify: Classifier,
         send: Callable[[str], Answer],
         guard: Guard | None = None,
+        held: bool = False,
     ) -> GatewayResult:
         rejected: str | None = None
         result: GatewayResult | None = None
@@ -214,6 +227,7 @@ class GatewayClient:
                     account_id,
                     self._settings.rate_for(account_id),
                     self._settings.gateway_pacing_max_wait,
+                    held=held,
                 )
             except RedisError as exc:
                 # the shared token or the pacing bucket is out of reach: nothing was sent

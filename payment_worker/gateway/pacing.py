@@ -11,7 +11,7 @@ them locally without another round trip:
   per request. The slots of one lease are spent in order, at least one interval apart, none
   before its time; a slot not used before the lease's window ends (its last slot's time)
   is void, so an unused lease only expires, it never piles up into a burst.
-* A block is one lease window (100 ms by default) of the account's time, whatever the
+* A block is one lease window (0.5 s by default) of the account's time, whatever the
   holder's pace: one slower than the rate still spends several slots per window (a
   holder at 30 ms per request: 3 or 4 per script). A process coming fresh may reserve a
   block up to one block ahead, one that just spent a block only the next slot, so a
@@ -23,6 +23,19 @@ them locally without another round trip:
   the window. A window can therefore span many requests at real gateway latency (one
   script per block, not per request) without delaying the next holder; only a holder that
   dies keeps its window until it ends.
+* **A lock holder past its lease keeps its own spacing** (``held=True``: the caller holds
+  the account's lock, so nobody else sends for the account until it is done). Once its
+  lease is spent or its window over, its next request needs no script: it goes one
+  interval or more after its own last one, on the local clock. Redis learns the holder's
+  spacing when it is done (:meth:`Pacer.give_back` sets the first free slot one interval
+  from then, when its last request is less than an interval back). A holder at real gateway
+  latency (one request per second, a quota of 20/s) thus runs one script per drain instead
+  of one per request. A holder that dies cannot hand its spacing over, and needs not: its
+  account is taken over only after its liveness (3 s by default) or its lock lapses, while
+  this applies only when a lease spans at least two slots (``GATEWAY_PACING_LEASE_SECONDS``
+  x rate >= 2, so an interval is at most half a lease window, at most 0.5 s). Callers that
+  do not hold the lock (``held=False``) lease as above, and several processes sending for
+  one account together still keep the quota.
 * A 429's ``Retry-After`` is recorded in the same key as a cooldown: no slot is leased
   before it ends. The process that records it drops its own lease at once; a lease held by
   another process runs out within its window.
@@ -73,6 +86,7 @@ class _Lease:
     left: int  # slots not yet used
     used: int = 0
     tat: bytes | None = None  # the account's first free slot after this lease, as stored
+    kept: bool = False  # a lock holder went on past the lease, on its own spacing
 
 
 class Pacer:
@@ -116,12 +130,16 @@ class Pacer:
         """How many slots one script call leases at ``rate`` requests/s."""
         return max(1, int(rate * self._lease_seconds + 1e-9))
 
-    def try_acquire(self, account_id: str, rate: float, ahead: float | None = None) -> float:
+    def try_acquire(
+        self, account_id: str, rate: float, ahead: float | None = None, *, held: bool = False
+    ) -> float:
         """Take a slot now if one is free: 0.0, else the seconds to wait before asking again.
 
         A slot of this process's lease costs no round trip. Otherwise one script leases a
         block, provided its first slot is at most one lease window (or ``ahead`` seconds,
         when smaller) away; a block starting later leases nothing and the wait is returned.
+        ``held``: the caller holds the account's lock; past its lease it keeps its own
+        spacing without a script (see the module).
         """
         interval = 1.0 / rate
         now = self._clock()
@@ -137,6 +155,8 @@ class Pacer:
             lease = self._leases.get(account_id)
             if lease is not None:
                 wait = self._take(lease, interval, now)
+                if wait is None and held and self.block(rate) >= 2:
+                    wait = self._keep(lease, interval, now)
                 if wait is not None:
                     return wait
                 del self._leases[account_id]
@@ -214,23 +234,41 @@ class Pacer:
         lease.next_at = now + interval  # spaced from this use, never bunched after a delay
         return 0.0
 
+    @staticmethod
+    def _keep(lease: _Lease, interval: float, now: float) -> float | None:
+        """With ``_lock`` held, for a caller that holds the account's lock and is past a lease
+        it used: 0.0 (a slot taken, an interval or more after its last), the wait for that
+        slot, or None (no such lease: a script decides)."""
+        if lease.used == 0 or lease.interval != interval:
+            return None
+        if lease.next_at > now:
+            return lease.next_at - now
+        lease.used += 1
+        lease.kept = True
+        lease.next_at = now + interval
+        return 0.0
+
     def _sweep(self, now: float) -> None:
-        for account_id in [a for a, lease in self._leases.items() if lease.end <= now]:
+        # a lease whose last slot is less than an interval back still spaces the next one
+        expired = [a for a, lease in self._leases.items() if max(lease.end, lease.next_at) <= now]
+        for account_id in expired:
             del self._leases[account_id]
         for account_id in [a for a, until in self._closed.items() if until <= now]:
             del self._closed[account_id]
 
-    def acquire(self, account_id: str, rate: float, max_wait: float) -> PaceResult:
+    def acquire(
+        self, account_id: str, rate: float, max_wait: float, *, held: bool = False
+    ) -> PaceResult:
         """Wait for a slot of ``account_id`` at ``rate`` requests/s, at most ``max_wait`` s.
 
         Gives up at once, without sleeping, when the account is closed (a 429 cooldown or
         other processes' slots) for longer than ``max_wait``; the caller reschedules instead
-        of blocking.
+        of blocking. ``held``: the caller holds the account's lock (see the module).
         """
         start = time.monotonic()
         waited = 0.0
         while True:
-            wait = self.try_acquire(account_id, rate, max_wait - waited)
+            wait = self.try_acquire(account_id, rate, max_wait - waited, held=held)
             waited = time.monotonic() - start
             if wait <= 0:
                 GATEWAY_PACING_WAIT_SECONDS.observe(waited)
@@ -245,14 +283,20 @@ class Pacer:
     def give_back(self, account_id: str, rate: float) -> bool:
         """The holder is done with the account: give the unused rest of this process's lease
         back, so the next holder (in any process) starts one interval from now rather than
-        after the lease's window. One script, and only when there is something to give:
-        a lease with slots left whose window has not ended. True when given back."""
+        after the lease's window. One script, and only when there is something to give: a
+        lease with slots left whose window has not ended, or a holder that went on past its
+        lease and sent its last request less than an interval ago (the stored timeline does
+        not know that request). True when given back."""
         with self._lock:
             lease = self._leases.pop(account_id, None)
-        if lease is None or lease.tat is None or lease.left <= 0:
+        if lease is None or lease.tat is None:
             return False
-        if lease.end <= self._clock():
-            return False  # the window is over: the timeline has passed it already
+        now = self._clock()
+        if lease.kept:
+            if lease.next_at <= now:
+                return False  # its last request is an interval back: any next one may go
+        elif lease.left <= 0 or lease.end <= now:
+            return False  # spent, or the window is over: the timeline has passed it already
         return bool(int(self._return(keys=[self.key(account_id)], args=[lease.tat, rate])))
 
     def cooldown(self, account_id: str, seconds: float) -> float:

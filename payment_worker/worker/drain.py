@@ -349,9 +349,12 @@ class Drainer:
         policy = self._policy
         cleared = False  # a lookup of this step proved the earlier sends never applied
         # the guard (ensure_held(), then progress) runs inside the client right before each
-        # send, after any token or pacing wait
+        # send, after any token or pacing wait; held: this holder is the account's only
+        # sender, so its pacing goes on past a lease without a round trip
         if item.status is TxStatus.UNKNOWN:
-            found = self._gateway.lookup_payment(item.account_id, item.idempotency_key, guard=guard)
+            found = self._gateway.lookup_payment(
+                item.account_id, item.idempotency_key, guard=guard, held=True
+            )
             lookups += found.sent  # a lookup that never left uses up nothing
             LOOKUPS.labels(found.outcome.value).inc()
             log.info(
@@ -373,13 +376,15 @@ class Drainer:
             cleared = True
             attempts += 1  # never applied: send again under the same key
         result = self._gateway.create_payment(
-            item.account_id, request, item.idempotency_key, guard=guard
+            item.account_id, request, item.idempotency_key, guard=guard, held=True
         )
         if not result.sent:
             attempts -= 1  # counted at the claim (or above), but nothing left
         if result.outcome is Outcome.CONFLICT:
             # 422: the gateway holds an answer under this key; what it holds decides
-            found = self._gateway.lookup_payment(item.account_id, item.idempotency_key, guard=guard)
+            found = self._gateway.lookup_payment(
+                item.account_id, item.idempotency_key, guard=guard, held=True
+            )
             lookups += found.sent
             LOOKUPS.labels(found.outcome.value).inc()
             log.info("key_conflict_lookup", outcome=found.outcome.value, sent=found.sent)

@@ -99,14 +99,22 @@ class Gateway(Protocol):
         transaction: PaymentRequest,
         idempotency_key: str,
         guard: Guard | None = None,
+        *,
+        held: bool = False,
     ) -> GatewayResult:
-        """Send a payment; ``guard`` runs right before the request leaves."""
+        """Send a payment; ``guard`` runs right before the request leaves; ``held``: the
+        caller holds the account's lock (nobody else sends for the account meanwhile)."""
         ...
 
     def lookup_payment(
-        self, account_id: str, idempotency_key: str, guard: Guard | None = None
+        self,
+        account_id: str,
+        idempotency_key: str,
+        guard: Guard | None = None,
+        *,
+        held: bool = False,
     ) -> GatewayResult:
-        """Ask the gateway what it holds under the key."""
+        """Ask the gateway what it holds under the key; ``guard``, ``held`` as above."""
         ...
 
     def done_with(self, account_id: str) -> None:

@@ -12,6 +12,7 @@ processes and by the Redis server) than one script per request.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 import subprocess
@@ -207,3 +208,86 @@ def test_a_spent_lease_costs_no_give_back_script(redis_client: redis.Redis) -> N
     assert not pacer.give_back("acct-none", rate)  # never leased here
     after = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
     assert after == before
+
+
+def test_a_lock_holder_past_its_lease_keeps_its_spacing_without_a_script(
+    redis_client: redis.Redis,
+) -> None:
+    """A holder slower than the quota (real gateway latency) runs one script per drain."""
+    rate = 100.0  # blocks of 10 slots, 10 ms apart: a window of 100 ms
+    for held, scripts in ((True, 1), (False, 5)):
+        pacer = Pacer(redis_client, "pw", lease_seconds=0.1)
+        account = f"acct-slow-{held}"
+        before = _evalsha(redis_client)
+        taken = []
+        for _ in range(5):
+            assert pacer.acquire(account, rate, max_wait=1.0, held=held).acquired
+            taken.append(time.monotonic())
+            time.sleep(0.15)  # a request slower than the window
+        assert pacer.scripts == scripts and _evalsha(redis_client) - before == scripts
+        assert min(b - a for a, b in itertools.pairwise(taken)) >= 0.15
+
+
+def test_a_lock_holder_never_goes_closer_than_an_interval_past_its_lease(
+    redis_client: redis.Redis,
+) -> None:
+    rate = 50.0  # blocks of 5 slots, 20 ms apart: a window of 100 ms
+    pacer = Pacer(redis_client, "pw", lease_seconds=0.1)
+    taken = []
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end:  # as fast as it may: the lease, then its own spacing
+        assert pacer.acquire("acct-fast", rate, max_wait=1.0, held=True).acquired
+        taken.append(time.monotonic())
+    gaps = [b - a for a, b in itertools.pairwise(taken)]
+    assert min(gaps) >= 1 / rate - 0.002  # the local clock's rounding, no more
+    assert _most_in_any_span(taken, 1.0) <= rate + 1
+    assert pacer.scripts == 1
+
+
+def test_a_holder_that_kept_its_spacing_hands_it_to_the_next_holder(
+    redis_client: redis.Redis,
+) -> None:
+    rate = 10.0  # blocks of 2 slots, 100 ms apart: a window of 200 ms
+    first = Pacer(redis_client, "pw", lease_seconds=0.2)
+    nxt = Pacer(redis_client, "pw", lease_seconds=0.2)  # another process, the next holder
+    assert first.acquire("acct-hand", rate, max_wait=1.0, held=True).acquired
+    time.sleep(0.25)  # past the window: the stored timeline lies behind now
+    assert first.acquire("acct-hand", rate, max_wait=1.0, held=True).acquired
+    last = time.monotonic()
+    assert first.scripts == 1  # that request went on the holder's own spacing
+    # done right after it: the stored timeline must learn that request, or the next holder
+    # would go at once
+    assert first.give_back("acct-hand", rate)
+    assert nxt.acquire("acct-hand", rate, max_wait=1.0, held=True).acquired
+    assert time.monotonic() - last >= 1 / rate - 0.01  # the server's clock vs this one's
+
+    # an interval after its last request, a holder done with the account runs no script
+    assert first.acquire("acct-quiet", rate, max_wait=1.0, held=True).acquired
+    time.sleep(0.25)
+    assert first.acquire("acct-quiet", rate, max_wait=1.0, held=True).acquired
+    time.sleep(1 / rate + 0.02)
+    before = _evalsha(redis_client)
+    assert not first.give_back("acct-quiet", rate)
+    assert _evalsha(redis_client) == before
+
+
+def test_one_slot_leases_keep_a_script_per_request_even_for_a_holder(
+    redis_client: redis.Redis,
+) -> None:
+    pacer = Pacer(redis_client, "pw", lease_seconds=0.0)  # GATEWAY_PACING_LEASE_SECONDS=0
+    for _ in range(3):
+        assert pacer.acquire("acct-one", 100.0, max_wait=1.0, held=True).acquired
+        time.sleep(0.02)
+    assert pacer.scripts == 3
+
+
+def test_the_sweep_keeps_a_lease_whose_spacing_still_holds(redis_client: redis.Redis) -> None:
+    rate = 10.0  # blocks of 2 slots, 100 ms apart
+    pacer = Pacer(redis_client, "pw", lease_seconds=0.2)
+    assert pacer.acquire("acct-swept", rate, max_wait=1.0, held=True).acquired
+    time.sleep(0.25)
+    assert pacer.acquire("acct-swept", rate, max_wait=1.0, held=True).acquired  # kept
+    pacer._sweep(time.monotonic())  # the process's many leases are swept now and then
+    # the kept request is less than an interval back: the next one still waits for it
+    assert pacer.try_acquire("acct-swept", rate, held=True) > 0.05
+    assert pacer.scripts == 1

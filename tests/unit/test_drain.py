@@ -137,6 +137,18 @@ def test_the_holder_gives_its_pacing_back_while_it_still_holds_the_lock(w: World
     assert w.gateway.done == [ACCT] and held_then == [True] and w.holders == {}
 
 
+def test_every_gateway_call_of_a_drain_is_made_as_the_locks_holder(w: World) -> None:
+    """The drain tells the client it holds the account's lock (its pacing then goes on past
+    a lease without a round trip, docs/gateway.md): true for every send and lookup."""
+    [row] = w.store.add(ACCT, 1, 1)
+    w.gateway.script[row.key].append(answer(Outcome.UNKNOWN, None, reason="applied"))
+    holding: list[bool] = []
+    w.gateway.on_call = lambda endpoint, key: holding.append(ACCT in w.holders)
+    w.run()
+    assert w.gateway.calls == [("create", row.key), ("lookup", row.key)]
+    assert w.gateway.held == [True, True] and holding == [True]
+
+
 def test_an_unknown_outcome_is_looked_up_before_any_resend(w: World) -> None:
     [row] = w.store.add(ACCT, 1, 1)
     # the gateway applied the payment but the answer was lost
