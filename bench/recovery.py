@@ -211,6 +211,8 @@ def run_faults(args: argparse.Namespace) -> None:
         f" ({t2 - t1:.0f} s, {len(results)} fault kinds); ratio {with_faults / base:.2f}"
     )
     print(f"double payments: {len(ledger['double_payments'])}")
+    # a takeover after a kill or a pause must not crowd the account past its quota
+    print(f"429 answers by cause: {ledger.get('http_429_by_cause', {})}")
 
 
 def run_cost(args: argparse.Namespace) -> None:
