@@ -238,9 +238,11 @@ def test_a_lock_holder_never_goes_closer_than_an_interval_past_its_lease(
     while time.monotonic() < end:  # as fast as it may: the lease, then its own spacing
         assert pacer.acquire("acct-fast", rate, max_wait=1.0, held=True).acquired
         taken.append(time.monotonic())
-    gaps = [b - a for a, b in itertools.pairwise(taken)]
-    assert min(gaps) >= 1 / rate - 0.002  # the local clock's rounding, no more
-    assert _most_in_any_span(taken, 1.0) <= rate + 1
+    # the moments are stamped after each call returns, so a busy machine can only delay a
+    # stamp: without the spacing the gaps would be a fraction of a millisecond
+    assert min(b - a for a, b in itertools.pairwise(taken)) >= 0.5 / rate
+    assert _most_in_any_span(taken, 0.2) <= 0.2 * rate + 2
+    assert len(taken) <= 0.6 * rate + 2
     assert pacer.scripts == 1
 
 
@@ -289,5 +291,5 @@ def test_the_sweep_keeps_a_lease_whose_spacing_still_holds(redis_client: redis.R
     assert pacer.acquire("acct-swept", rate, max_wait=1.0, held=True).acquired  # kept
     pacer._sweep(time.monotonic())  # the process's many leases are swept now and then
     # the kept request is less than an interval back: the next one still waits for it
-    assert pacer.try_acquire("acct-swept", rate, held=True) > 0.05
+    assert pacer.try_acquire("acct-swept", rate, held=True) > 0
     assert pacer.scripts == 1
