@@ -27,6 +27,8 @@ each worker gets its own PGAPPNAME); Postgres transactions per item
 transaction); Redis commands per item (INFO commandstats, app + broker); CPU microseconds
 per item by process kind; double payments from the simulator's ledger (must be 0); for the
 latency scenarios the bound min(accounts / latency, scenario 1's rate in the same run).
+``PW_BENCH_SERIES=1`` also prints each run's samples (messages waiting / accounts in flight,
+every 0.2 s): whether the accounts or the intake were the limit.
 ``--runs N`` repeats each scenario and reports the run with the median items/s (double
 payments summed over all runs). Uses DATABASE_URL / REDIS_URL when set, else the embedded
 servers; creates and drops a scratch database and flushes Redis dbs 13 and 14.
@@ -346,6 +348,10 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 time.sleep(0.05)
             elapsed = time.monotonic() - t0
             sampler.stop()
+            if os.environ.get("PW_BENCH_SERIES"):
+                # every 0.2 s sample: messages waiting in the queue / accounts in flight
+                pairs = zip(sampler.queued, sampler.in_flight, strict=False)
+                print(f"# series {num}: " + " ".join(f"{q}/{f}" for q, f in pairs), flush=True)
             by1 = _redis_by_command(r)
             c1 = sum(by1.values()) - sampler.redis_calls - 1
             servers = server_pids(db_url, r_app)  # backends started during the run included
