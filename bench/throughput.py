@@ -28,7 +28,8 @@ transaction); Redis commands per item (INFO commandstats, app + broker); CPU mic
 per item by process kind; double payments from the simulator's ledger (must be 0); for the
 latency scenarios the bound min(accounts / latency, scenario 1's rate in the same run).
 ``PW_BENCH_SERIES=1`` also prints each run's samples (messages waiting / accounts in flight,
-every 0.2 s): whether the accounts or the intake were the limit.
+every 0.2 s): whether the accounts or the intake were the limit. The task executions of
+each worker process are printed too: whether the load was shared.
 ``--runs N`` repeats each scenario and reports the run with the median items/s (double
 payments summed over all runs). Uses DATABASE_URL / REDIS_URL when set, else the embedded
 servers; creates and drops a scratch database and flushes Redis dbs 13 and 14.
@@ -364,8 +365,11 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
             ).fetchone()
         _wait_ready(ports)  # every /metrics up (they are, by now) before the scrape
         execs: dict[str, float] = {}
+        per_worker: list[int] = []  # task executions of each worker process: the balance
         for port in ports:
-            for k, v in _scrape(port).items():
+            scraped = _scrape(port)
+            per_worker.append(int(sum(scraped.values())))
+            for k, v in scraped.items():
                 execs[k] = execs.get(k, 0.0) + v
         ledger = cluster.ledger()
         peak_in_flight = httpx.get(f"{cluster.sim_url}/_sim/in_flight", timeout=10).json()["max"]
@@ -387,6 +391,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         "pg_conns": max(sampler.pg_peak.values(), default=0),
         "pg_per_item": (x1 - x0) / total,
         "redis_per_item": (c1 - c0) / total,
+        "execs_by_worker": per_worker,
         "execs_per_batch": sum(execs.values()) / sc["batches"] if execs else float("nan"),
         "wasted_per_batch": (execs.get("contended", 0) + execs.get("idle", 0)) / sc["batches"]
         if execs
@@ -475,6 +480,8 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
         + "; ".join(f"{r['num']}: {r['enqueue_s']:.1f} s, {r['queued_median']:,.0f}" for r in rows)
         + ". Task executions by result: "
         + "; ".join(f"{r['num']}: {r['execs']}" for r in rows)
+        + ". Task executions by worker process: "
+        + "; ".join(f"{r['num']}: {r['execs_by_worker']}" for r in rows)
         + ". Sends beyond one per item, and lookups: "
         + "; ".join(f"{r['num']}: {r['extra_sends']:,}, {r['lookups']:,}" for r in rows)
         + "."
