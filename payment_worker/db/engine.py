@@ -162,6 +162,10 @@ def autocommit(engine: Engine) -> Engine:
     each statement is its own transaction, with no BEGIN/COMMIT round trips (psycopg
     switches autocommit on the client side). The drain's store and the fencing upsert use it.
     """
+    if engine.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+        # already the view (the drain's store gets the Runtime's): a second layer of options
+        # would be built per drain and merged again on every connect, for nothing
+        return engine
     return engine.execution_options(isolation_level="AUTOCOMMIT")
 
 
