@@ -33,10 +33,121 @@ import select
 import socket
 import ssl
 import time
+from typing import Any
 
 import httpx
 
 KEEPALIVE_EXPIRY = 5.0  # seconds idle after which a kept connection is not reused (httpx's)
+# http.client's own bounds on an answer's header block (_MAXLINE, _MAXHEADERS)
+MAX_HEADER_LINE = 65536
+MAX_HEADERS = 100
+
+
+class Headers:
+    """An answer's header fields in order, looked up without regard to case: what
+    ``http.client`` reads of its ``HTTPMessage`` (``get``, ``get_all``, ``items``)."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, fields: list[tuple[str, str]]) -> None:
+        self._fields = fields
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        """The first field called ``name`` (any case), or ``default``."""
+        name = name.lower()
+        for key, value in self._fields:
+            if key.lower() == name:
+                return value
+        return default
+
+    def get_all(self, name: str, default: list[str] | None = None) -> list[str] | None:
+        """Every field called ``name``, in order, or ``default`` when there is none."""
+        name = name.lower()
+        found = [value for key, value in self._fields if key.lower() == name]
+        return found or default
+
+    def items(self) -> list[tuple[str, str]]:
+        """Every field as (name, value), in the order received."""
+        return list(self._fields)
+
+
+def read_header_block(fp: Any) -> Headers:
+    """Read an answer's header block up to its empty line, with ``http.client``'s bounds.
+
+    ``http.client`` hands the block to ``email.parser``, about 60 to 80 µs of CPU per answer,
+    the largest single share of a drain's CPU (issue 13, docs/benchmarks.md); a header block
+    needs none of what that parser does for mail. A folded line (obs-fold) continues the field
+    before it. A line that is no field, or a connection that ends inside the block, is a
+    malformed answer: raised, so the request stays "maybe sent", never misread."""
+    fields: list[tuple[str, str]] = []
+    while True:
+        line = fp.readline(MAX_HEADER_LINE + 1)
+        if len(line) > MAX_HEADER_LINE:
+            raise http.client.LineTooLong("header line")
+        if line in (b"\r\n", b"\n"):
+            return Headers(fields)
+        if not line:
+            raise http.client.IncompleteRead(b"", None)  # ended inside the header block
+        text = line.decode("iso-8859-1").rstrip("\r\n")
+        if text[:1] in (" ", "\t") and fields:
+            name, value = fields[-1]
+            fields[-1] = (name, f"{value} {text.strip()}")
+            continue
+        name, colon, value = text.partition(":")
+        if not colon or not name or name != name.strip():
+            raise http.client.HTTPException(f"malformed header line {text[:80]!r}")
+        fields.append((name, value.strip(" \t")))
+        if len(fields) > MAX_HEADERS:
+            raise http.client.HTTPException(f"got more than {MAX_HEADERS} headers")
+
+
+class _Response(http.client.HTTPResponse):
+    """``http.client``'s answer with its header block read by :func:`read_header_block`.
+
+    ``begin`` is the standard library's (CPython 3.11 to 3.13): 1xx answers skipped, the
+    version, chunked or not, the length, whether the connection closes; only the parse of the
+    header block differs. The body is read by ``http.client`` as before."""
+
+    def begin(self) -> None:
+        if self.headers is not None:
+            return  # already begun
+        while True:
+            version, status, reason = self._read_status()
+            if status != http.client.CONTINUE:
+                break
+            read_header_block(self.fp)  # a 100 answer's headers: skipped
+        self.code = self.status = status
+        self.reason = reason.strip()
+        if version in ("HTTP/1.0", "HTTP/0.9"):
+            self.version = 10
+        elif version.startswith("HTTP/1."):
+            self.version = 11
+        else:
+            raise http.client.UnknownProtocol(version)
+        self.headers = self.msg = read_header_block(self.fp)
+        encoding = self.headers.get("transfer-encoding")
+        self.chunked = bool(encoding and encoding.lower() == "chunked")
+        if self.chunked:
+            self.chunk_left = None
+        self.will_close = self._check_close()
+        self.length = None
+        length = self.headers.get("content-length")
+        if length and not self.chunked:
+            try:
+                self.length = int(length)
+            except ValueError:
+                self.length = None
+            else:
+                if self.length < 0:
+                    self.length = None
+        if (
+            status in (http.client.NO_CONTENT, http.client.NOT_MODIFIED)
+            or 100 <= status < 200
+            or self._method == "HEAD"
+        ):
+            self.length = 0
+        if not self.will_close and not self.chunked and self.length is None:
+            self.will_close = True
 
 
 class Answer:
@@ -81,6 +192,7 @@ class GatewayConnection:
         else:
             conn = http.client.HTTPConnection(host, port, timeout=connect_timeout)
         conn.auto_open = 0  # connecting is a phase of its own (see the module)
+        conn.response_class = _Response
         self._conn = conn
         self._last_used = 0.0
 

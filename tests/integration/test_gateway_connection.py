@@ -237,8 +237,38 @@ def test_a_connection_idle_past_the_expiry_is_replaced(
             httpx.RemoteProtocolError,
             "reset",
         ),
+        # the header block is read by gateway/connection.py (not email.parser): every way it
+        # can be wrong is a malformed answer, never a misread one
+        (b"HTTP/1.1 201 Created\r\nContent-Length: 8\r\n", httpx.RemoteProtocolError, "reset"),
+        (b"HTTP/1.1 201 Created\r\nno colon here\r\n\r\n", httpx.RemoteProtocolError, "reset"),
+        (
+            b"HTTP/1.1 201 Created\r\nContent-Length : 8\r\n\r\n",
+            httpx.RemoteProtocolError,
+            "reset",
+        ),
+        (
+            b"HTTP/1.1 201 Created\r\n" + b"X-A: 1\r\n" * 101 + b"\r\n",
+            httpx.RemoteProtocolError,
+            "reset",
+        ),
+        (
+            b"HTTP/1.1 201 Created\r\nX-A: " + b"a" * 70000 + b"\r\n\r\n",
+            httpx.RemoteProtocolError,
+            "reset",
+        ),
     ],
-    ids=["closed", "bad-status", "not-http", "body-cut", "chunk-cut"],
+    ids=[
+        "closed",
+        "bad-status",
+        "not-http",
+        "body-cut",
+        "chunk-cut",
+        "headers-cut",
+        "no-colon",
+        "space-before-colon",
+        "too-many-headers",
+        "header-too-long",
+    ],
 )
 def test_an_answer_cut_short_or_malformed_is_maybe_sent(
     peer: Callable[..., Peer], answer: bytes, raised: type[Exception], reason: str
@@ -258,6 +288,45 @@ def test_an_answer_cut_short_or_malformed_is_maybe_sent(
     with pytest.raises(raised):
         post(conn)
     assert p.accepted == 2
+
+
+def test_the_header_block_is_read_as_http_client_would(peer: Callable[..., Peer]) -> None:
+    # a 100 answer is skipped, names are matched in any case, repeated fields keep their
+    # order (the first is the one looked up), a folded line continues its field, and
+    # Content-Length frames the body so the connection is kept
+    answers = [
+        b"HTTP/1.1 100 Continue\r\nX-Skip: yes\r\n\r\n"
+        b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\n"
+        b"Idempotent-Replayed:  true \r\nX-Multi: a\r\nx-multi: b\r\n"
+        b"X-Folded: one\r\n two\r\nRetry-After: 3\r\nContent-Length: 8\r\n\r\n"
+        b'{"id":1}',
+        OK,
+    ]
+
+    def handler(p: Peer, _: int, sock: socket.socket) -> None:
+        for answer in answers:
+            if not p.read_request(sock):
+                return
+            sock.sendall(answer)
+
+    p = serve(peer, handler)
+    conn = connect(p)
+    first = post(conn)
+    assert (first.status_code, first.content) == (201, b'{"id":1}')
+    assert first.raw_headers == [
+        ("content-type", "application/json"),
+        ("Idempotent-Replayed", "true"),
+        ("X-Multi", "a"),
+        ("x-multi", "b"),
+        ("X-Folded", "one two"),
+        ("Retry-After", "3"),
+        ("Content-Length", "8"),
+    ]
+    headers = first.headers
+    assert headers["idempotent-replayed"] == "true" and headers["retry-after"] == "3"
+    assert headers.get_list("X-MULTI") == ["a", "b"]
+    assert post(conn).status_code == 201
+    assert p.accepted == 1  # the framing was right: one kept connection for both
 
 
 def test_no_answer_within_the_read_timeout_is_a_read_timeout(
