@@ -5,7 +5,9 @@ A worker thread drives one account at a time and so has at most one request in f
 needs one connection, not a pool. ``http.client`` does the HTTP (request framing, status
 line, headers, ``Content-Length``, chunked and close-delimited bodies, 1xx answers) at
 about 180 µs of CPU per request where ``httpcore`` over ``h11`` took about 290 (measured
-against the simulator, docs/benchmarks.md), and it is part of the standard library.
+against the simulator, docs/benchmarks.md), and it is part of the standard library. The
+one part read here instead is the answer's header block (:func:`read_header_block`), which
+``http.client`` would hand to ``email.parser``.
 
 What this module adds is what decides whether a payment may be sent again: every failure is
 raised as the httpx exception class of the phase it happened in, which
