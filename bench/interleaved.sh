@@ -22,6 +22,8 @@ here=$(pwd)
 rev=$(git rev-parse --short "$old")
 tree="$here/.bench-worktrees/$rev"
 [ -d "$tree" ] || git worktree add --detach -q "$tree" "$rev"
+# the old side's embedded servers live in its worktree: stopped at the end, whatever happens
+trap '(cd "$tree" && PYTHONPATH="$tree" "$here/.venv/bin/python" -m payment_worker.cli services stop >/dev/null 2>&1) || true' EXIT
 for i in $(seq 1 "$pairs"); do
   for side in old new; do
     dir=$here
