@@ -47,7 +47,9 @@ MAX_HEADERS = 100
 
 class Headers:
     """An answer's header fields in order, looked up without regard to case: what
-    ``http.client`` reads of its ``HTTPMessage`` (``get``, ``get_all``, ``items``)."""
+    ``http.client`` reads of its ``HTTPMessage`` here (``get`` in ``begin`` and
+    ``_check_close``, ``items`` in ``getheaders``). Not ``httpx.Headers``: its ``get`` and
+    ``items`` join repeated fields, where ``http.client`` takes the first (a length)."""
 
     __slots__ = ("_fields",)
 
@@ -61,12 +63,6 @@ class Headers:
             if key.lower() == name:
                 return value
         return default
-
-    def get_all(self, name: str, default: list[str] | None = None) -> list[str] | None:
-        """Every field called ``name``, in order, or ``default`` when there is none."""
-        name = name.lower()
-        found = [value for key, value in self._fields if key.lower() == name]
-        return found or default
 
     def items(self) -> list[tuple[str, str]]:
         """Every field as (name, value), in the order received."""
