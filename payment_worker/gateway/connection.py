@@ -34,6 +34,8 @@ import http.client
 import select
 import socket
 import ssl
+import struct
+import sys
 import time
 from typing import Any
 
@@ -148,6 +150,76 @@ class _Response(http.client.HTTPResponse):
             self.will_close = True
 
 
+# SO_RCVTIMEO / SO_SNDTIMEO take a struct timeval: (long, long) on Linux
+_KERNEL_TIMEOUTS = sys.platform.startswith("linux")
+
+
+class _KernelTimedSocket(socket.socket):
+    """A blocking TCP socket whose send and receive are bounded by the kernel
+    (``SO_SNDTIMEO`` / ``SO_RCVTIMEO``), not by Python's socket timeout.
+
+    Why: with a Python timeout every send and every receive is a ``poll`` and then the call,
+    and each of the two gives up the GIL; a thread that gives it up while hundreds of others
+    want it waits its turn to take it back. In a worker holding hundreds of accounts those
+    hand-overs, not the CPU, bounded the requests per second (issue 13,
+    docs/benchmarks.md). The bound is the same: each call waits at most the read timeout.
+    A call the kernel bounded fails with ``EAGAIN``, raised here as the ``TimeoutError``
+    Python's own timeout raises, so every caller sees what it saw before."""
+
+    __slots__ = ()
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        try:
+            return super().recv_into(buffer, nbytes, flags)
+        except BlockingIOError as exc:  # SO_RCVTIMEO passed with nothing received
+            raise TimeoutError("timed out") from exc
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        try:
+            super().sendall(data, flags)
+        except BlockingIOError as exc:  # SO_SNDTIMEO passed (some bytes may have left)
+            raise TimeoutError("timed out") from exc
+
+
+def _bounded(sock: socket.socket, seconds: float) -> socket.socket:
+    """``sock`` with each send and receive bounded by ``seconds``: by the kernel for a plain
+    TCP socket on Linux (:class:`_KernelTimedSocket`), else by Python's timeout (TLS: the ssl
+    module retries a blocking socket's interrupted read, so only its own timeout bounds it)."""
+    if not _KERNEL_TIMEOUTS or isinstance(sock, ssl.SSLSocket) or type(sock) is not socket.socket:
+        sock.settimeout(seconds)
+        return sock
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
+    sock.settimeout(None)  # blocking: one system call per send or receive
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    return _KernelTimedSocket(fileno=sock.detach())
+
+
+class _Gathering:
+    """What ``http.client`` sends for one request, gathered to be written at once.
+
+    ``http.client`` sends the header block and the body in two ``send`` calls: two writes,
+    two TCP segments, and two more hand-overs of the GIL per request. While ``gathered`` is a
+    list, ``send`` appends to it; :meth:`GatewayConnection.request` then writes it whole."""
+
+    gathered: list[bytes] | None = None
+
+    def send(self, data: Any) -> None:
+        if self.gathered is None:
+            super().send(data)  # type: ignore[misc]
+        else:
+            self.gathered.append(bytes(data))
+
+
+class _HTTPConnection(_Gathering, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_Gathering, http.client.HTTPSConnection):
+    pass
+
+
 class Answer:
     """An HTTP answer read in full: status, headers, body (what the outcome tables read)."""
 
@@ -182,13 +254,11 @@ class GatewayConnection:
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._read_timeout = read_timeout  # the connect's bound is the connection's timeout
-        conn: http.client.HTTPConnection
+        conn: _HTTPConnection | _HTTPSConnection
         if scheme == "https":
-            conn = http.client.HTTPSConnection(
-                host, port, timeout=connect_timeout, context=ssl_context
-            )
+            conn = _HTTPSConnection(host, port, timeout=connect_timeout, context=ssl_context)
         else:
-            conn = http.client.HTTPConnection(host, port, timeout=connect_timeout)
+            conn = _HTTPConnection(host, port, timeout=connect_timeout)
         conn.auto_open = 0  # connecting is a phase of its own (see the module)
         conn.response_class = _Response
         self._conn = conn
@@ -210,10 +280,12 @@ class GatewayConnection:
             except OSError as exc:
                 conn.close()
                 raise httpx.ConnectError(f"connect: {exc}") from exc
-            if conn.sock is not None:
-                conn.sock.settimeout(self._read_timeout)  # the send's and the answer's bound
+            if conn.sock is not None:  # the send's and the answer's bound
+                conn.sock = _bounded(conn.sock, self._read_timeout)
+        conn.gathered = []
         try:
-            conn.request(method, target, body=body, headers=headers)
+            conn.request(method, target, body=body, headers=headers)  # gathered, not sent
+            conn.sock.sendall(b"".join(conn.gathered))
         except TimeoutError as exc:
             conn.close()
             raise httpx.WriteTimeout(f"send: {exc or 'timed out'}") from exc
@@ -223,6 +295,8 @@ class GatewayConnection:
         except ValueError as exc:  # a header value http.client refuses (CR, LF): not sent,
             conn.close()  # but classified as maybe sent like any unexpected error
             raise httpx.LocalProtocolError(f"send: {exc}") from exc
+        finally:
+            conn.gathered = None
         try:
             response = conn.getresponse()
             content = response.read()

@@ -12,7 +12,9 @@ import json
 import shutil
 import socket
 import ssl
+import struct
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -347,6 +349,63 @@ def test_no_answer_within_the_read_timeout_is_a_read_timeout(
     stop.set()
     result = classify_transport_error(info.value)
     assert (result.outcome, result.reason, result.sent) == (Outcome.UNKNOWN, "timeout", True)
+
+
+def test_a_peer_that_reads_nothing_is_a_write_timeout_within_the_bound(
+    peer: Callable[..., Peer],
+) -> None:
+    stop = threading.Event()
+
+    def handler(_: Peer, __: int, sock: socket.socket) -> None:
+        stop.wait(10)  # never reads: the client's send fills both socket buffers
+
+    p = serve(peer, handler)
+    conn = connect(p, read_timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(httpx.WriteTimeout) as info:
+        conn.request("POST", "/v1/x", {"Host": "gw"}, b"x" * 64_000_000)
+    assert time.monotonic() - start < 5
+    stop.set()
+    result = classify_transport_error(info.value)
+    assert (result.outcome, result.reason, result.sent) == (Outcome.UNKNOWN, "timeout", True)
+
+
+def test_each_request_is_one_write(peer: Callable[..., Peer]) -> None:
+    """The request line, the headers and the body leave in one write (http.client alone
+    sends the body in a second one): the peer's first read of each request holds all of it."""
+    firsts: list[bytes] = []
+
+    def handler(_: Peer, __: int, sock: socket.socket) -> None:
+        while True:
+            chunk = sock.recv(65536)  # woken by the first segment that arrives
+            if not chunk:
+                return
+            firsts.append(chunk)
+            sock.sendall(OK)
+
+    p = serve(peer, handler)
+    conn = connect(p)
+    for _ in range(20):
+        assert post(conn).status_code == 201
+    assert len(firsts) == 20
+    assert all(
+        f.startswith(b"POST /v1/x HTTP/1.1\r\n") and f.endswith(b'\r\n\r\n{"a":1}') for f in firsts
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kernel timeouts: Linux only")
+def test_a_plain_connection_is_bounded_by_the_kernel(peer: Callable[..., Peer]) -> None:
+    """On Linux a plain TCP connection is a blocking socket whose sends and receives the
+    kernel bounds (one system call each, not a poll and the call); TLS keeps Python's."""
+    p = serve(peer, keep_answering)
+    conn = connect(p, read_timeout=1.5)
+    assert post(conn).status_code == 201
+    sock = conn._conn.sock
+    assert sock is not None and sock.gettimeout() is None
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sec, usec = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, 16))
+        assert (sec, usec) == (1, 500_000)
+    assert post(conn).status_code == 201 and p.accepted == 1  # still one kept connection
 
 
 def test_a_refused_connection_is_not_sent() -> None:
