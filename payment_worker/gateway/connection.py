@@ -160,10 +160,9 @@ class _KernelTimedSocket(socket.socket):
 
     Why: with a Python timeout every send and every receive is a ``poll`` and then the call,
     and each of the two gives up the GIL; a thread that gives it up while hundreds of others
-    want it waits its turn to take it back. In a worker holding hundreds of accounts those
-    hand-overs, not the CPU, bounded the requests per second (issue 13,
-    docs/benchmarks.md). The bound is the same: each call waits at most the read timeout.
-    A call the kernel bounded fails with ``EAGAIN``, raised here as the ``TimeoutError``
+    want it waits its turn to take it back. Here each is one system call (a request: 6 → 3,
+    docs/gateway.md). The bound is the same: each call waits at most the read timeout. A
+    call the kernel bounded fails with ``EAGAIN``, raised here as the ``TimeoutError``
     Python's own timeout raises, so every caller sees what it saw before."""
 
     __slots__ = ()
@@ -189,7 +188,9 @@ def _bounded(sock: socket.socket, seconds: float) -> socket.socket:
         sock.settimeout(seconds)
         return sock
     whole = int(seconds)
-    timeval = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
+    # (0, 0) would mean no bound at all: at least a microsecond
+    micros = max(int((seconds - whole) * 1_000_000), 0 if whole else 1)
+    timeval = struct.pack("ll", whole, micros)
     sock.settimeout(None)  # blocking: one system call per send or receive
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)

@@ -114,31 +114,38 @@ def raise_files_limit(sender: Any = None, **_: Any) -> None:
         )
 
 
-def freeze_heap() -> int:
+def freeze_heap() -> int | None:
     """Collect once, then move every object alive now (modules, Celery, the runtime's
     engines and pools: about 130,000 in a worker) out of the collector's reach; returns
-    how many. Called once a process is ready to run tasks.
+    how many, or None when this process had frozen its heap already (the solo pool sends
+    both signals below). Called once a process is ready to run tasks.
 
     Why: a full collection walks every tracked object; in a worker with hundreds of task
     threads three of them in a 5 s run held the GIL for up to 170 ms each, every account of
     the process stopped meanwhile (issue 13, docs/benchmarks.md). What is frozen lives as long
     as the process anyway; garbage made later is collected as before."""
+    if gc.get_freeze_count():
+        return None
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
 
 
-def _child_started(**_: Any) -> None:
+def _ready_to_run_tasks() -> None:
     start_liveness()
     start_sweeper()
-    log.info("heap_frozen", objects=freeze_heap())
+    frozen = freeze_heap()
+    if frozen is not None:
+        log.info("heap_frozen", objects=frozen)
+
+
+def _child_started(**_: Any) -> None:
+    _ready_to_run_tasks()
 
 
 def _worker_ready(sender: Any = None, **_: Any) -> None:
     if _runs_tasks_here(getattr(sender, "pool", None)):
-        start_liveness()
-        start_sweeper()
-        log.info("heap_frozen", objects=freeze_heap())
+        _ready_to_run_tasks()
 
 
 def hand_back_on_shutdown(**_: Any) -> None:
