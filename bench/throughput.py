@@ -29,7 +29,8 @@ per item by process kind; double payments from the simulator's ledger (must be 0
 latency scenarios the bound min(accounts / latency, scenario 1's rate in the same run).
 ``PW_BENCH_SERIES=1`` also prints each run's samples (messages waiting / accounts in flight,
 every 0.2 s): whether the accounts or the intake were the limit. The task executions of
-each worker process are printed too: whether the load was shared.
+each worker process are printed too: whether the load was shared; and the intake, the
+seconds from the first message taken until none waited in the queue.
 ``--runs N`` repeats each scenario and reports the run with the median items/s (double
 payments summed over all runs). Uses DATABASE_URL / REDIS_URL when set, else the embedded
 servers; creates and drops a scratch database and flushes Redis dbs 13 and 14.
@@ -386,6 +387,10 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         "in_flight_median": statistics.median(sampler.in_flight) if sampler.in_flight else 0,
         "enqueue_s": enqueue_s,
         "queued_median": statistics.median(sampler.queued) if sampler.queued else 0,
+        # the intake: seconds until no message waited (the first empty sample, 0.2 s apart)
+        "intake_s": next(
+            ((i + 1) * sampler.interval for i, q in enumerate(sampler.queued) if q == 0), None
+        ),
         "rss_mb": max(sampler.rss_peak.values(), default=0) / 1024,
         "threads": max(sampler.threads_peak.values(), default=0),
         "pg_conns": max(sampler.pg_peak.values(), default=0),
@@ -478,6 +483,11 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
         + ". Seconds to enqueue every batch, and messages waiting in the queue (median of "
         + "samples): "
         + "; ".join(f"{r['num']}: {r['enqueue_s']:.1f} s, {r['queued_median']:,.0f}" for r in rows)
+        + ". Seconds from the first message taken until none waited (0.2 s samples): "
+        + "; ".join(
+            f"{r['num']}: " + ("-" if r["intake_s"] is None else f"{r['intake_s']:.1f} s")
+            for r in rows
+        )
         + ". Task executions by result: "
         + "; ".join(f"{r['num']}: {r['execs']}" for r in rows)
         + ". Task executions by worker process: "
