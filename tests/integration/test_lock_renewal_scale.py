@@ -108,6 +108,7 @@ def test_two_thousand_locks_one_thread_bounded_commands(
         for i in range(LOCKS)
     ]
     threads_before = len(threading.enumerate())
+    monitors: list[_Monitor] = []
     try:
         for lock in locks:
             assert lock.acquire()
@@ -118,6 +119,7 @@ def test_two_thousand_locks_one_thread_bounded_commands(
         # hold for four intervals and count what the server sees of the renewer
         hold = 4 * INTERVAL
         mon = _Monitor(pw_env.redis_url)
+        monitors.append(mon)
         mon.start()
         assert mon.listening.wait(10)
         batches0, sent0 = renewer.batches, renewer.renewals
@@ -177,6 +179,7 @@ def test_two_thousand_locks_one_thread_bounded_commands(
         time.sleep(0.2)  # a batch that was in flight during the last releases has returned
         sent = renewer.renewals
         mon = _Monitor(pw_env.redis_url)
+        monitors.append(mon)
         mon.start()
         assert mon.listening.wait(10)
         time.sleep(1.5 * INTERVAL)
@@ -186,6 +189,9 @@ def test_two_thousand_locks_one_thread_bounded_commands(
         assert _renewer_commands(mon, redis_client) == {}
         assert redis_client.dbsize() == 1  # only the stolen key is left (not ours)
     finally:
+        for m in monitors:  # a failure midway must not leave the server streaming to one
+            if m.is_alive():
+                m.stop(redis_client)
         renewer.close()
         for lock in locks:
             lock._token = None  # nothing to release after a failure: the keys expire
