@@ -160,7 +160,7 @@ class _KernelTimedSocket(socket.socket):
 
     Why: with a Python timeout every send and every receive is a ``poll`` and then the call,
     and each of the two gives up the GIL; a thread that gives it up while hundreds of others
-    want it waits its turn to take it back. Here each is one system call (a request: 6 → 3,
+    want it waits its turn to take it back. Here each is one system call (a request: 7 → 3,
     docs/gateway.md). The bound is the same: each call waits at most the read timeout. A
     call the kernel bounded fails with ``EAGAIN``, raised here as the ``TimeoutError``
     Python's own timeout raises, so every caller sees what it saw before."""
