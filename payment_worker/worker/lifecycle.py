@@ -121,7 +121,7 @@ def freeze_heap() -> int | None:
     both signals below). Called once a process is ready to run tasks.
 
     Why: a full collection walks every tracked object; in a worker with hundreds of task
-    threads three of them in a 5 s run held the GIL for up to 170 ms each, every account of
+    threads three of them in a 5 s run held the GIL for up to 177 ms each, every account of
     the process stopped meanwhile (issue 13, docs/benchmarks.md). What is frozen lives as long
     as the process anyway; garbage made later is collected as before."""
     if gc.get_freeze_count():

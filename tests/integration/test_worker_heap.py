@@ -1,6 +1,6 @@
 """A process that runs tasks freezes its heap once it is ready (worker/lifecycle.py): the
 collector's full passes then walk what the tasks made, not the whole of Celery and
-SQLAlchemy (issue 13: up to 170 ms of GIL each in a loaded worker before)."""
+SQLAlchemy (issue 13: up to 177 ms of GIL each in a loaded worker before)."""
 
 from __future__ import annotations
 
