@@ -184,7 +184,7 @@ def _bounded(sock: socket.socket, seconds: float) -> socket.socket:
     """``sock`` with each send and receive bounded by ``seconds``: by the kernel for a plain
     TCP socket on Linux (:class:`_KernelTimedSocket`), else by Python's timeout (TLS: the ssl
     module retries a blocking socket's interrupted read, so only its own timeout bounds it)."""
-    if not _KERNEL_TIMEOUTS or isinstance(sock, ssl.SSLSocket) or type(sock) is not socket.socket:
+    if not _KERNEL_TIMEOUTS or type(sock) is not socket.socket:  # an SSLSocket among others
         sock.settimeout(seconds)
         return sock
     whole = int(seconds)

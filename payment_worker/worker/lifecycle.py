@@ -131,7 +131,8 @@ def freeze_heap() -> int | None:
     return gc.get_freeze_count()
 
 
-def _ready_to_run_tasks() -> None:
+def _child_started(**_: Any) -> None:
+    """This process is ready to run tasks (a prefork child, or the worker itself below)."""
     start_liveness()
     start_sweeper()
     frozen = freeze_heap()
@@ -139,13 +140,9 @@ def _ready_to_run_tasks() -> None:
         log.info("heap_frozen", objects=frozen)
 
 
-def _child_started(**_: Any) -> None:
-    _ready_to_run_tasks()
-
-
 def _worker_ready(sender: Any = None, **_: Any) -> None:
     if _runs_tasks_here(getattr(sender, "pool", None)):
-        _ready_to_run_tasks()
+        _child_started()
 
 
 def hand_back_on_shutdown(**_: Any) -> None:

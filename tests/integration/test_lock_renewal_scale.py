@@ -87,12 +87,7 @@ def test_two_thousand_locks_one_thread_bounded_commands(
     pw_env: PwEnv, redis_client: redis.Redis, engine: Engine
 ) -> None:
     # the renewer's connections carry a name, to tell its commands from any other client's
-    named = redis.Redis(
-        connection_pool=redis.ConnectionPool(
-            connection_class=redis_client.connection_pool.connection_class,
-            **{**redis_client.connection_pool.connection_kwargs, "client_name": RENEWER_NAME},
-        )
-    )
+    named = redis.Redis.from_url(pw_env.redis_url, client_name=RENEWER_NAME)
     renewer = Renewer(renewal_client(named, TTL_MS))
     lost: dict[str, str] = {}
     locks = [
