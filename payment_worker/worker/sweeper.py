@@ -42,7 +42,7 @@ from typing import Any
 
 from redis.exceptions import LockError
 
-from payment_worker.db import work as repo
+from payment_worker.db import stalls
 from payment_worker.locks.liveness import (
     READ_CHUNK,
     alive_holders,
@@ -163,11 +163,11 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     # that never registered is found that way too, as its accounts go stale)
     every = bool(dead_holders(res.redis, res.keys, holder_keep_ms(s)))
     with res.engine.connect() as conn:
-        stalled = repo.stalled_accounts(conn, stale, SWEEP_LIMIT, every=every)
+        stalled = stalls.stalled_accounts(conn, stale, SWEEP_LIMIT, every=every)
         seen = {acct.account_id for acct in stalled}
         stalled += [
             acct
-            for acct in repo.uncompleted_batch_accounts(conn, s.sweeper_stale_after, SWEEP_LIMIT)
+            for acct in stalls.uncompleted_batch_accounts(conn, s.sweeper_stale_after, SWEEP_LIMIT)
             if acct.account_id not in seen
         ]
     # who holds each one: one pipelined GET per account, then one EXISTS per distinct holder
@@ -195,7 +195,7 @@ def _sweep(res: Runtime) -> dict[str, Any]:
     ]
     if free:
         with res.engine.connect() as conn:
-            still = repo.still_stalled(conn, free, stale)
+            still = stalls.still_stalled(conn, free, stale)
         drained = set(free) - still
     else:
         drained = set()

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy
 from sqlalchemy import text
 
-from payment_worker.db import work
+from payment_worker.db import stalls, work
 from payment_worker.db.fences import fence_params
 from payment_worker.runtime import Runtime
 
@@ -149,7 +149,7 @@ def test_the_drains_statements_read_only_the_accounts_rows(filled: sqlalchemy.En
             "complete_and_next_due": _plan(
                 conn, work._COMPLETE_AND_NEXT_DUE, {"pks": None, **fence}
             ),
-            "still_stalled": _plan(conn, work._STILL_STALLED, {"accts": [ACCOUNT], "stale": 2.0}),
+            "still_stalled": _plan(conn, stalls._STILL_STALLED, {"accts": [ACCOUNT], "stale": 2.0}),
         }
     unbounded = {name: _unbounded_reads(plan) for name, plan in plans.items()}
     assert unbounded == {name: [] for name in plans}
@@ -161,7 +161,7 @@ def test_the_sweepers_uncompleted_batch_query_probes_each_open_batch(
     """Once per second, fleet-wide: one index probe per open batch, never a scan of every
     transaction (it ran 19 s a pass on stale statistics, its inner side a full index scan)."""
     with filled.connect() as conn:
-        plan = _plan(conn, work._UNCOMPLETED, {"stale": 2.0, "limit": 500})
+        plan = _plan(conn, stalls._UNCOMPLETED, {"stale": 2.0, "limit": 500})
     assert _unbounded_reads(plan) == []
 
 

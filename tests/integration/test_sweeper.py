@@ -25,6 +25,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from payment_worker import runtime
+from payment_worker.db import stalls
 from payment_worker.db import work as repo
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker.sweeper import run_sweep
@@ -363,8 +364,8 @@ def test_a_batch_left_processing_with_every_item_terminal_is_completed(
     _save("b-open", "acct-2", srt)
     _age(db_conn)
     with srt.engine.connect() as conn:
-        assert repo.uncompleted_batch_accounts(conn, STALE) == []
-        assert [a.batch_id for a in repo.stalled_accounts(conn, STALE)] == ["b-open"]
+        assert stalls.uncompleted_batch_accounts(conn, STALE) == []
+        assert [a.batch_id for a in stalls.stalled_accounts(conn, STALE)] == ["b-open"]
 
 
 def test_an_account_whose_message_waits_behind_a_backlog_is_not_repaired_twice(
@@ -438,9 +439,9 @@ def test_an_account_drained_since_the_sweeps_query_is_not_repaired(
     _save("b-done", "acct-done", srt)
     _save("b-open", "acct-open", srt)
     _age(db_conn)
-    first_look = repo.stalled_accounts
+    first_look = stalls.stalled_accounts
 
-    def query_then_holder_drains(*args: Any, **kwargs: Any) -> list[repo.StalledAccount]:
+    def query_then_holder_drains(*args: Any, **kwargs: Any) -> list[stalls.StalledAccount]:
         found = first_look(*args, **kwargs)
         # right after the query, a holder finishes acct-done and releases its lock
         db_conn.execute(
@@ -449,7 +450,7 @@ def test_an_account_drained_since_the_sweeps_query_is_not_repaired(
         )
         return found
 
-    monkeypatch.setattr(repo, "stalled_accounts", query_then_holder_drains)
+    monkeypatch.setattr(stalls, "stalled_accounts", query_then_holder_drains)
     result = run_sweep(srt)
     assert result["stalled"] == 2 and result["reenqueued"] == ["b-open"]
     assert broker_messages(pw_env) == ["b-open"]
