@@ -1,8 +1,9 @@
 """Crashed tasks become ``task_crashed`` dead letters.
 
 A task that crashes outright (an exception escapes it, or ``process_account_batch`` names a
-batch that does not exist), a message naming an unknown task, and a message the worker cannot
-decode are written to ``dead_letters`` with what is known: the task name, its arguments, the
+batch that does not exist), a message naming an unknown task, a message the worker cannot
+decode, and one Celery rejects as invalid (``on_invalid_task``: arguments of the wrong shape,
+an ETA that is no time) are written to ``dead_letters`` with what is known: the task name, its arguments, the
 exception's class and message, and a digest of the traceback. The row is written directly
 from the hook, in the worker, because Celery acks a failed task: nothing may depend on the
 message surviving. Only when that write fails (Postgres unreachable) is the record published
@@ -172,17 +173,42 @@ def _on_task_unknown(
     )
 
 
+def _rejected_task(message: Any) -> tuple[str | None, str | None, list[Any]]:
+    """The task name, id and positional arguments a rejected message carries, as far as
+    they can be read: from its headers (protocol 2) or its decoded body (protocol 1, or a
+    protocol 2 body ``[args, kwargs, embed]``). Never raises: what cannot be read is left out."""
+    headers = dict(getattr(message, "headers", None) or {})
+    name, task_id = headers.get("task"), headers.get("id")
+    args: list[Any] = []
+    try:
+        body = message.decode()
+    except Exception:
+        body = None
+    if isinstance(body, dict):  # protocol 1: everything is in the body
+        name, task_id = name or body.get("task"), task_id or body.get("id")
+        body = [body.get("args")]
+    if isinstance(body, list | tuple) and body and isinstance(body[0], list | tuple):
+        args = list(body[0])
+    return (
+        str(name) if name else None,
+        str(task_id) if task_id else None,
+        args,
+    )
+
+
 @task_rejected.connect
 def _on_task_rejected(message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
-    # a message the worker cannot decode or route: what is left of it is its headers
-    headers = dict(getattr(message, "headers", None) or {})
+    # a message the worker cannot route (no task name) or that Celery finds invalid (its
+    # on_invalid_task: arguments of the wrong shape, an ETA that is no time): Celery rejects
+    # it without running anything; the dead letter keeps what it named, the batch included
+    name, task_id, args = _rejected_task(message)
     record_crash(
-        task_name=str(headers.get("task", "undecodable message")),
-        args=[],
+        task_name=name or "undecodable message",
+        args=args,
         error_class=type(exc).__name__ if exc is not None else "UndecodableMessage",
         error=str(exc) if exc is not None else "message could not be decoded",
         digest="",
-        task_id=str(headers.get("id")) if headers.get("id") else None,
+        task_id=task_id,
     )
 
 

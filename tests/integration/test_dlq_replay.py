@@ -205,3 +205,66 @@ def test_a_message_the_worker_cannot_decode_is_a_task_crashed_dead_letter(
             time.sleep(0.25)
     [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
     assert "could not be decoded" in row["last_error"]
+
+
+def _publish_raw(broker_url: str, body: Any, headers: dict[str, Any]) -> None:
+    from kombu import Connection, Exchange, Queue
+
+    with Connection(broker_url) as conn:
+        conn.Producer().publish(
+            body,
+            exchange="payments",
+            routing_key="payments",
+            serializer="json",
+            headers=headers,
+            declare=[Queue("payments", Exchange("payments"), routing_key="payments")],
+        )
+
+
+def test_a_task_message_celery_finds_invalid_is_a_task_crashed_dead_letter(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    # a protocol-1 message whose kwargs are no mapping: Celery's on_invalid_task rejects it
+    body = {
+        "task": "payment_worker.process_account_batch",
+        "id": "invalid-1",
+        "args": ["b-1"],
+        "kwargs": ["not", "a", "mapping"],
+    }
+    with _world(pw_env, tmp_path, {}):
+        _publish_raw(pw_env.broker_url, body, headers={})
+        deadline = time.monotonic() + 30
+        while not _open_ids("task_crashed"):
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+    [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
+    assert row["error_class"] == "InvalidTaskError", row
+    # what the message named is kept: on-call sees which batch it was for
+    assert row["payload"]["task_id"] == "invalid-1", row
+    assert row["payload"]["batch_id"] == "b-1", row
+
+
+def test_a_task_message_with_an_eta_that_is_no_time_is_a_task_crashed_dead_letter(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    headers = {
+        "lang": "py",
+        "task": "payment_worker.process_account_batch",
+        "id": "bad-eta-1",
+        "eta": "not-a-time",
+        "retries": 0,
+        "argsrepr": "('b-1',)",
+        "kwargsrepr": "{}",
+    }
+    with _world(pw_env, tmp_path, {}):
+        _publish_raw(pw_env.broker_url, [["b-1"], {}, {}], headers=headers)
+        deadline = time.monotonic() + 30
+        while not _open_ids("task_crashed"):
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+    [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
+    assert row["error_class"] == "InvalidTaskError", row
+    assert "invalid ETA" in row["last_error"], row
+    assert row["payload"]["task_id"] == "bad-eta-1", row
+    assert row["payload"]["args"] == ["b-1"], row
+    assert row["payload"]["batch_id"] == "b-1", row
