@@ -3,11 +3,12 @@
 A task that crashes outright (an exception escapes it, or ``process_account_batch`` names a
 batch that does not exist), a message naming an unknown task, a message the worker cannot
 decode, and one Celery rejects as invalid (``on_invalid_task``: arguments of the wrong shape,
-an ETA that is no time) are written to ``dead_letters`` with what is known: the task name, its arguments, the
-exception's class and message, and a digest of the traceback. The row is written directly
-from the hook, in the worker, because Celery acks a failed task: nothing may depend on the
-message surviving. Only when that write fails (Postgres unreachable) is the record published
-to the ``dlq`` queue as ``payment_worker.dlq.record_crash``, which retries until it can write.
+an ETA that is no time) are written to ``dead_letters`` with what is known: the task name,
+its arguments, the exception's class and message, and a digest of the traceback. The row is
+written directly from the hook, in the worker, because Celery acks a failed task: nothing may
+depend on the message surviving. Only when that write fails (Postgres unreachable) is the
+record published to the ``dlq`` queue as ``payment_worker.dlq.record_crash``, which retries
+until it can write.
 
 The rows carry ``batch_pk`` when the named batch exists and nothing otherwise (migration 0004
 allows that for ``task_crashed`` only); ``dlq list --reason task_crashed`` shows them and
