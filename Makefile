@@ -19,9 +19,16 @@ demo: $(STAMP)
 	$(BIN)/payment-worker demo
 
 ## The whole test suite (unit, integration, short chaos). Uses DATABASE_URL/REDIS_URL when set,
-## the embedded PostgreSQL and Redis otherwise.
+## the embedded PostgreSQL and Redis otherwise. Two parts: the tests that share nothing
+## server-wide on two processes (pytest-xdist, one test file per process at a time), then the
+## ones marked `exclusive` alone (a server restarted, counts or time bounds the other process
+## would disturb). Both parts always run; either failing fails the target.
+TEST_PROCESSES ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=30
+	rc=0; \
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile -m "not exclusive" --durations=20 || rc=$$?; \
+	$(BIN)/python -m pytest -q -m exclusive --durations=10 || rc=$$?; \
+	exit $$rc
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

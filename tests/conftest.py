@@ -33,9 +33,11 @@ pytest_plugins = ["tests.sim_fixtures"]
 ROOT = Path(__file__).resolve().parents[1]
 # per pytest session, so that two sessions on one server never drop each other's template
 TEMPLATE_DB = f"pw_tmpl_{os.getpid()}"
-# two Redis database numbers per session (app, broker); PW_TEST_REDIS_DBS="9,10" by default
+# two Redis database numbers per session (app, broker); PW_TEST_REDIS_DBS="9,10" by default.
+# Under pytest-xdist each worker (gw0, gw1, ...) is a session of its own: the next pair.
+_XDIST_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 APP_REDIS_DB, BROKER_REDIS_DB = (
-    int(x) for x in os.environ.get("PW_TEST_REDIS_DBS", "9,10").split(",")
+    int(x) + 2 * _XDIST_WORKER for x in os.environ.get("PW_TEST_REDIS_DBS", "9,10").split(",")
 )
 _counter = itertools.count()
 
@@ -241,3 +243,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
         if f"{os.sep}chaos{os.sep}" in path:
             item.add_marker(pytest.mark.chaos)
+            item.add_marker(pytest.mark.exclusive)  # kills and pauses with bounds in seconds

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import httpx
+import pytest
 
 from payment_worker import runtime
 from payment_worker.db.work import open_counts
@@ -23,6 +24,10 @@ from payment_worker.producer.submit import submit_batch
 from payment_worker.worker.celery_app import app
 from payment_worker.worker.queueing import enqueue_batch
 from tests.conftest import PwEnv, wait_until
+
+# run alone, after the parallel part of `make test`: it asserts how many accounts are in flight at
+# once, which shared CPU lowers
+pytestmark = pytest.mark.exclusive
 
 ACCOUNTS = 100
 ITEMS = 8

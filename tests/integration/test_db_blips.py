@@ -32,6 +32,10 @@ from payment_worker.settings import Settings
 from tests.conftest import PwEnv, ServiceUrls, _with_db
 from tests.db_watch import scrape, terminate_backends, wait_terminal
 
+# run alone, after the parallel part of `make test`: it restarts the embedded PostgreSQL: every
+# other session's connections would die
+pytestmark = pytest.mark.exclusive
+
 
 def _run(
     pw_env: PwEnv,

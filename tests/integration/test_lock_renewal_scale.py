@@ -23,6 +23,10 @@ from payment_worker.locks.account_lock import AccountLock
 from payment_worker.locks.watchdog import COALESCE_FRACTION, Renewer, renewal_client
 from tests.conftest import PwEnv, wait_until
 
+# run alone, after the parallel part of `make test`: its MONITOR streams every client's commands,
+# and it bounds the renewer's round trips in time
+pytestmark = pytest.mark.exclusive
+
 LOCKS = 2000
 TTL_MS = 3000  # a renewal per lock every second
 INTERVAL = TTL_MS / 3000

@@ -24,6 +24,10 @@ from payment_worker.redis_keys import RedisKeys
 from tests.conftest import ROOT, PwEnv
 from tests.lock_helpers import COUNTER_KEY, GATEWAY_CALLS_KEY, fenced_write
 
+# run alone, after the parallel part of `make test`: 100 processes contend, and starvation is
+# bounded in time
+pytestmark = pytest.mark.exclusive
+
 ACCOUNT = "acct-proc"
 
 

@@ -20,11 +20,16 @@ import sys
 import time
 from typing import Any
 
+import pytest
 import redis
 
 from payment_worker.gateway.pacing import Pacer
 from tests.conftest import ROOT, PwEnv
 from tests.sim_fixtures import SimHandle
+
+# run alone, after the parallel part of `make test`: it counts EVALSHA calls server-wide (INFO
+# commandstats)
+pytestmark = pytest.mark.exclusive
 
 ACCOUNT = "acct-lease"
 RATE = 50.0

@@ -26,9 +26,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import psycopg
+import pytest
 
 from tests.conftest import ROOT, PwEnv
 from tests.integration import secret_flow as flow
+
+# run alone, after the parallel part of `make test`: it edits pg_hba.conf and reloads the shared
+# server
+pytestmark = pytest.mark.exclusive
 
 GATEWAY_SECRET = "gw-Secret-4f9b2c71e0"
 DB_PASSWORD = "Db-Pa55-8e13d7c2"
