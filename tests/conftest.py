@@ -236,6 +236,14 @@ def closed_port() -> int:
     return port
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if BROKER_REDIS_DB > 15:  # a Redis server has 16 databases unless configured otherwise
+        raise pytest.UsageError(
+            f"Redis databases {APP_REDIS_DB},{BROKER_REDIS_DB} for this test process: at most "
+            "3 processes (TEST_PROCESSES) from the default PW_TEST_REDIS_DBS=9,10"
+        )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = str(item.fspath)
