@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from payment_worker.worker.queueing import enqueue_batch
-from tests.conftest import PwEnv
+from tests.conftest import PwEnv, wait_until
 from tests.integration.test_in_doubt import ACCT, _batch, _rows, _settle, _submit, _world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,16 +163,45 @@ def test_two_concurrent_replays_of_one_item_pay_once(pw_env: PwEnv, tmp_path: Pa
         _paid_once(sim.ledger(), 1)
 
 
+def _publish_raw(broker_url: str, body: Any, headers: dict[str, Any], **publish: Any) -> None:
+    """Put ``body`` on the payments queue as it is, with no producer of ours in between
+    (``publish``: kombu's, e.g. ``serializer=None`` for bytes sent as they are)."""
+    from kombu import Connection, Exchange, Queue
+
+    publish.setdefault("serializer", "json")
+    with Connection(broker_url) as conn:
+        conn.Producer().publish(
+            body,
+            exchange="payments",
+            routing_key="payments",
+            headers=headers,
+            declare=[Queue("payments", Exchange("payments"), routing_key="payments")],
+            **publish,
+        )
+
+
+def _the_crash_dead_letter(timeout: float = 30) -> dict[str, Any]:
+    """The one open ``task_crashed`` dead letter, as ``dlq list --json`` shows it, once the
+    worker has written it."""
+    rows: list[dict[str, Any]] = []
+
+    def written() -> bool:
+        out = dlq("list", "--json", "--reason", "task_crashed")
+        assert out.returncode == 0, out.stderr
+        rows[:] = json.loads(out.stdout)
+        return bool(rows)
+
+    wait_until(written, timeout, "a task_crashed dead letter")
+    [row] = rows
+    return row
+
+
 def test_a_batch_id_that_does_not_exist_is_a_task_crashed_dead_letter(
     pw_env: PwEnv, tmp_path: Path
 ) -> None:
     with _world(pw_env, tmp_path, {}):
         enqueue_batch("no-such-batch")
-        deadline = time.monotonic() + 30
-        while not _open_ids("task_crashed"):
-            assert time.monotonic() < deadline
-            time.sleep(0.25)
-    [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
+        row = _the_crash_dead_letter()
     assert row["error_class"] == "BatchMissing"
     assert row["payload"]["args"] == ["no-such-batch"]
     out = dlq("list")
@@ -184,41 +213,17 @@ def test_a_batch_id_that_does_not_exist_is_a_task_crashed_dead_letter(
 def test_a_message_the_worker_cannot_decode_is_a_task_crashed_dead_letter(
     pw_env: PwEnv, tmp_path: Path
 ) -> None:
-    from kombu import Connection, Exchange, Queue
-
     with _world(pw_env, tmp_path, {}):
-        with Connection(pw_env.broker_url) as conn:
-            producer = conn.Producer()
-            producer.publish(
-                b"{not json",
-                exchange="payments",
-                routing_key="payments",
-                content_type="application/json",
-                content_encoding="utf-8",
-                serializer=None,
-                headers={},
-                declare=[Queue("payments", Exchange("payments"), routing_key="payments")],
-            )
-        deadline = time.monotonic() + 30
-        while not _open_ids("task_crashed"):
-            assert time.monotonic() < deadline
-            time.sleep(0.25)
-    [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
-    assert "could not be decoded" in row["last_error"]
-
-
-def _publish_raw(broker_url: str, body: Any, headers: dict[str, Any]) -> None:
-    from kombu import Connection, Exchange, Queue
-
-    with Connection(broker_url) as conn:
-        conn.Producer().publish(
-            body,
-            exchange="payments",
-            routing_key="payments",
-            serializer="json",
-            headers=headers,
-            declare=[Queue("payments", Exchange("payments"), routing_key="payments")],
+        _publish_raw(
+            pw_env.broker_url,
+            b"{not json",
+            headers={},
+            content_type="application/json",
+            content_encoding="utf-8",
+            serializer=None,
         )
+        row = _the_crash_dead_letter()
+    assert "could not be decoded" in row["last_error"]
 
 
 def test_a_task_message_celery_finds_invalid_is_a_task_crashed_dead_letter(
@@ -233,11 +238,7 @@ def test_a_task_message_celery_finds_invalid_is_a_task_crashed_dead_letter(
     }
     with _world(pw_env, tmp_path, {}):
         _publish_raw(pw_env.broker_url, body, headers={})
-        deadline = time.monotonic() + 30
-        while not _open_ids("task_crashed"):
-            assert time.monotonic() < deadline
-            time.sleep(0.25)
-    [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
+        row = _the_crash_dead_letter()
     assert row["error_class"] == "InvalidTaskError", row
     # what the message named is kept: on-call sees which batch it was for
     assert row["payload"]["task_id"] == "invalid-1", row
@@ -258,11 +259,7 @@ def test_a_task_message_with_an_eta_that_is_no_time_is_a_task_crashed_dead_lette
     }
     with _world(pw_env, tmp_path, {}):
         _publish_raw(pw_env.broker_url, [["b-1"], {}, {}], headers=headers)
-        deadline = time.monotonic() + 30
-        while not _open_ids("task_crashed"):
-            assert time.monotonic() < deadline
-            time.sleep(0.25)
-    [row] = json.loads(dlq("list", "--json", "--reason", "task_crashed").stdout)
+        row = _the_crash_dead_letter()
     assert row["error_class"] == "InvalidTaskError", row
     assert "invalid ETA" in row["last_error"], row
     assert row["payload"]["task_id"] == "bad-eta-1", row
