@@ -12,6 +12,7 @@ from kombu import Exchange, Queue
 
 from payment_worker.ops.multiprocess import pool_on_command_line
 from payment_worker.settings import Settings
+from payment_worker.worker.broker_transport import transport_for
 
 
 def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict[str, Any]:
@@ -20,6 +21,8 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
     pool = pool_on_command_line(list(argv)) or s.worker_pool
     return {
         "broker_url": broker_url,
+        # kombu's Redis transport, its client reused instead of built per ack (broker_transport.py)
+        "broker_transport": transport_for(broker_url),
         # The plain `celery -A payment_worker worker` is the recommended command: pool and task
         # slots come from WORKER_POOL / WORKER_CONCURRENCY (threads at high concurrency by
         # default: a slot mostly waits on the gateway). -c on the command line wins, and so does

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from payment_worker.settings import THREADS_CONCURRENCY, Settings
+from payment_worker.worker.broker_transport import TRANSPORT
 from payment_worker.worker.celery_config import build_config
 
 BROKER = "redis://127.0.0.1:1/0"  # never connected to: building the config starts no server
@@ -169,3 +170,11 @@ def test_an_explicit_pool_on_the_worker_command_line_wins(
     assert c["worker_pool"] == pool
     # the default slots follow the pool that runs (-c itself is applied by Celery)
     assert c["worker_concurrency"] == (slots if slots is not None else os.cpu_count() or 1)
+
+
+def test_a_plain_redis_broker_gets_the_reused_client_transport() -> None:
+    # kombu's own transport builds a redis.Redis per ack and publish (broker_transport.py);
+    # rediss:// keeps kombu's choice, whose TLS defaults follow the scheme's name
+    assert build_config(Settings(redis_url=BROKER), BROKER)["broker_transport"] == TRANSPORT
+    for url in ("rediss://127.0.0.1:1/0", "amqp://guest@127.0.0.1//", "sentinel://127.0.0.1:1"):
+        assert build_config(Settings(redis_url=BROKER), url)["broker_transport"] is None
