@@ -17,18 +17,35 @@ from payment_worker.domain.statuses import IN_DOUBT_TX_STATUSES, OPEN_TX_STATUSE
 _OPEN = sql_values(OPEN_TX_STATUSES)
 _IN_DOUBT = sql_values(IN_DOUBT_TX_STATUSES)
 
+# Every due open item is read once a pass: the aggregate runs over transactions alone, and
+# only the (at most :limit) accounts it keeps are joined to their batches (joining every due
+# item first cost a third more). The message goes to the account's oldest batch with due
+# work. Issue 13's backlog measurement (1,000,000 due items, 20,000 accounts): 0.6 s a pass,
+# 0.9 s with the parallel workers off as the sweeper runs it (stalled_accounts), against
+# 0.85-0.98 s on three processes, i.e. three times the CPU, joined first.
 _STALLED = text(f"""
-SELECT t.account_id, min(b.batch_id) AS batch_id,
-       bool_or(t.status IN ({_IN_DOUBT})) AS in_doubt,
-       max(t.updated_at) < now() - make_interval(secs => :stale) AS stale
-FROM transactions t JOIN batches b ON b.id = t.batch_pk
-WHERE t.status IN ({_OPEN})
-  AND t.next_attempt_at <= now()
-GROUP BY t.account_id
-HAVING :every OR max(t.updated_at) < now() - make_interval(secs => :stale)
-ORDER BY min(t.next_attempt_at)
-LIMIT :limit
+SELECT s.account_id, b.batch_id, s.in_doubt, s.stale
+FROM (
+    SELECT t.account_id, min(t.batch_pk) AS batch_pk,
+           bool_or(t.status IN ({_IN_DOUBT})) AS in_doubt,
+           max(t.updated_at) < now() - make_interval(secs => :stale) AS stale,
+           min(t.next_attempt_at) AS first_due
+    FROM transactions t
+    WHERE t.status IN ({_OPEN})
+      AND t.next_attempt_at <= now()
+    GROUP BY t.account_id
+    HAVING :every OR max(t.updated_at) < now() - make_interval(secs => :stale)
+    ORDER BY min(t.next_attempt_at)
+    LIMIT :limit
+) s
+JOIN batches b ON b.id = s.batch_pk
+ORDER BY s.first_due
 """)
+
+# a background pass on one backend: a parallel plan would take every core of a small
+# database host from the drains' statements for the length of the pass (SET LOCAL: this
+# transaction only, so nothing is left on a pooled or PgBouncer connection)
+_ONE_BACKEND = text("SET LOCAL max_parallel_workers_per_gather = 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +67,7 @@ def stalled_accounts(
     sweeper); with ``every``, all accounts with due open items, each marked ``stale`` or not
     (the sweeper checks every one's holder for liveness, and re-enqueues only stale ones)."""
     params = {"stale": stale_after, "limit": limit, "every": every}
+    conn.execute(_ONE_BACKEND)
     rows = conn.execute(_STALLED, params).all()
     return [
         StalledAccount(r.account_id, r.batch_id, bool(r.in_doubt), stale=bool(r.stale))

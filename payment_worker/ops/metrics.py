@@ -119,6 +119,11 @@ BATCH_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
 SWEEPS = Counter("payment_worker_sweeps_total", "Sweeper passes.", ["result"])
+SWEEP_SECONDS = Histogram(
+    "payment_worker_sweep_seconds",
+    "Length of one sweeper pass (its first query reads every due open item).",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 SWEEP_REENQUEUED = Counter(
     "payment_worker_sweep_reenqueued_total", "Batches re-enqueued by the sweeper."
 )

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import LockError
+from redis.exceptions import LockError, RedisError
 
 from payment_worker.db import stalls
 from payment_worker.locks.liveness import (
@@ -52,7 +52,7 @@ from payment_worker.locks.liveness import (
     take_over,
 )
 from payment_worker.ops.logging import get_logger
-from payment_worker.ops.metrics import LOCK_TAKEOVERS, SWEEP_REENQUEUED, SWEEPS
+from payment_worker.ops.metrics import LOCK_TAKEOVERS, SWEEP_REENQUEUED, SWEEP_SECONDS, SWEEPS
 from payment_worker.ops.queue_depth import oldest_enqueued_ms
 from payment_worker.runtime import Runtime
 from payment_worker.settings import Settings
@@ -71,7 +71,31 @@ def sweep_if_due(res: Runtime) -> dict[str, Any]:
     )
     if not taken:
         return {"result": "not_due"}
-    return run_sweep(res)
+    started = time.monotonic()
+    try:
+        return run_sweep(res)
+    finally:
+        _rest_after(res, time.monotonic() - started)
+
+
+# after a pass, the fleet's next one waits at least this many times as long as the pass took
+REST_PER_PASS_SECOND = 1.0
+
+
+def _rest_after(res: Runtime, seconds: float) -> None:
+    """Keep the fleet's next pass ``REST_PER_PASS_SECOND`` x ``seconds`` away when that is
+    longer than the interval's own gap. A pass reads every due open item once: behind a
+    backlog of a million (issue 13), about a second of one Postgres backend, which once a
+    second would be that backend for good, taken from the drains' statements. So the
+    sweeper takes at most about half of one backend, and its horizon grows by the pass's
+    own length only when a pass outgrows the interval."""
+    rest_ms = int(seconds * REST_PER_PASS_SECOND * 1000)
+    if rest_ms <= res.settings.sweeper_interval * 800:
+        return
+    try:
+        res.redis.set(res.keys.sweeper_tick(), os.getpid(), px=rest_ms)
+    except RedisError as exc:  # the next tick then comes at the interval, as before
+        log.warning("sweeper_rest_not_set", error=repr(exc))
 
 
 class SweeperThread(threading.Thread):
@@ -132,6 +156,7 @@ def run_sweep(res: Runtime) -> dict[str, Any]:
     try:
         return _sweep(res)
     finally:
+        SWEEP_SECONDS.observe(time.monotonic() - started)
         try:
             guard.release()
         except LockError:
