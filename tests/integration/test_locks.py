@@ -175,19 +175,21 @@ def test_deleted_key_is_noticed_within_a_third_of_the_ttl(
         on_lost=lambda r: (reasons.append(r), lost.set()),
     )
     before = metric("payment_worker_lock_lost_total", reason="expired")
-    assert a.acquire()
-    time.sleep(0.05)
-    redis_client.delete(a.key)
-    batches, t0 = renewer.batches, time.monotonic()
-    assert lost.wait(2)
-    noticed = time.monotonic() - t0
-    # noticed by the first renewal after the delete, due a third of the TTL after the last
-    # one (a second only if the first was in flight and ran before the delete): counted,
-    # not timed, so that a loaded host's scheduling delay decides nothing
-    assert renewer.batches - batches <= 2, renewer.batches - batches
-    # and before the lease would have run out anyway
-    assert noticed < ttl_ms / 1000, noticed
-    renewer.close()
+    try:
+        assert a.acquire()
+        time.sleep(0.05)
+        redis_client.delete(a.key)
+        batches, t0 = renewer.batches, time.monotonic()
+        assert lost.wait(2)
+        noticed = time.monotonic() - t0
+        # noticed by the first renewal after the delete, due a third of the TTL after the
+        # last one (a second only if the first was in flight and ran before the delete):
+        # counted, not timed, so that a loaded host's scheduling delay decides nothing
+        assert renewer.batches - batches <= 2, renewer.batches - batches
+        # and before the lease would have run out anyway
+        assert noticed < ttl_ms / 1000, noticed
+    finally:
+        renewer.close()  # its thread stops whatever failed above
     assert reasons == ["expired"]
     assert a.lost and a.lost_reason == "expired"
     assert metric("payment_worker_lock_lost_total", reason="expired") == before + 1
