@@ -35,7 +35,7 @@ FROM (
       AND t.next_attempt_at <= now()
     GROUP BY t.account_id
     HAVING :every OR max(t.updated_at) < now() - make_interval(secs => :stale)
-    ORDER BY min(t.next_attempt_at)
+    ORDER BY first_due
     LIMIT :limit
 ) s
 JOIN batches b ON b.id = s.batch_pk

@@ -65,10 +65,7 @@ def sweep_if_due(res: Runtime) -> dict[str, Any]:
     """One pass, unless another process has already taken this interval's: at most about
     one sweep per ``SWEEPER_INTERVAL`` across the fleet. ``{"result": "not_due"}`` then."""
     s = res.settings
-    # a little under the interval: the next tick of a process that swept finds it free
-    taken = res.redis.set(
-        res.keys.sweeper_tick(), os.getpid(), nx=True, px=max(1, int(s.sweeper_interval * 800))
-    )
+    taken = res.redis.set(res.keys.sweeper_tick(), os.getpid(), nx=True, px=_tick_gap_ms(s))
     if not taken:
         return {"result": "not_due"}
     started = time.monotonic()
@@ -76,6 +73,12 @@ def sweep_if_due(res: Runtime) -> dict[str, Any]:
         return run_sweep(res)
     finally:
         _rest_after(res, time.monotonic() - started)
+
+
+def _tick_gap_ms(s: Settings) -> int:
+    """The interval's own gap between the fleet's passes: a little under the interval, so
+    the next tick of the process that swept finds the tick key free."""
+    return max(1, int(s.sweeper_interval * 800))
 
 
 # after a pass, the fleet's next one waits at least this many times as long as the pass took
@@ -90,7 +93,7 @@ def _rest_after(res: Runtime, seconds: float) -> None:
     sweeper takes at most about half of one backend, and its horizon grows by the pass's
     own length only when a pass outgrows the interval."""
     rest_ms = int(seconds * REST_PER_PASS_SECOND * 1000)
-    if rest_ms <= res.settings.sweeper_interval * 800:
+    if rest_ms <= _tick_gap_ms(res.settings):
         return
     try:
         res.redis.set(res.keys.sweeper_tick(), os.getpid(), px=rest_ms)

@@ -19,10 +19,9 @@ from prometheus_client import REGISTRY
 
 from payment_worker import runtime
 from payment_worker.db import stalls
-from payment_worker.producer.submit import submit_batch
 from payment_worker.worker.sweeper import sweep_if_due
 from tests.conftest import PwEnv
-from tests.integration.test_producer import make_batch
+from tests.integration.test_sweeper import _save
 
 pytestmark = pytest.mark.integration
 
@@ -37,11 +36,6 @@ def fast_rt(pw_env: PwEnv, monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.
     assert rt.settings.sweeper_interval == INTERVAL
     yield rt
     runtime.reset()
-
-
-def _save(rt: runtime.Runtime, batch_id: str, account: str, n: int = 2) -> None:
-    data = make_batch(batch_id, account=account, n=n, tx=batch_id)
-    assert submit_batch(data, runtime=rt, enqueue=False).status == "accepted"
 
 
 def _backlog(db: psycopg.Connection[Any], accounts: int, items_each: int) -> None:
@@ -71,9 +65,9 @@ def test_the_oldest_batch_with_due_work_is_named_and_doubt_is_seen(
     rt: runtime.Runtime, db_conn: psycopg.Connection[Any]
 ) -> None:
     # acct-1: "b-z" saved first, "b-a" second: the older batch is named, not the first name
-    _save(rt, "b-z", "acct-1")
-    _save(rt, "b-a", "acct-1")
-    _save(rt, "b-2", "acct-2")
+    _save("b-z", "acct-1", rt)
+    _save("b-a", "acct-1", rt)
+    _save("b-2", "acct-2", rt)
     db_conn.execute("UPDATE transactions SET updated_at = now() - interval '1 minute'")
     # acct-2's items became due earlier: the oldest due work comes first
     db_conn.execute(
