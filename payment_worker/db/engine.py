@@ -112,6 +112,40 @@ class ConnectionLimits:
         return args
 
 
+@dataclass(frozen=True, slots=True)
+class LooseTimeout:
+    """A server timeout looser than the service asks for: ``name`` (``statement_timeout``,
+    ``lock_timeout``), what the server's connections start with (``server_ms``, 0 = none)
+    and what the setting wants (``wanted_ms``)."""
+
+    name: str
+    server_ms: int
+    wanted_ms: int
+
+
+_SERVER_TIMEOUTS_SQL = (
+    "SELECT name, setting::bigint FROM pg_settings"
+    " WHERE name IN ('statement_timeout', 'lock_timeout')"
+)
+
+
+def loose_server_timeouts(conn: Connection, limits: ConnectionLimits) -> list[LooseTimeout]:
+    """The timeouts that the server's sessions (``conn``'s) do not bound as tightly as
+    ``limits`` wants: none (0) or a larger value. Behind a transaction-mode PgBouncer the
+    service cannot send them, so they must come from the role or the database (see
+    docs/configuration.md); this tells when they do not. One read of ``pg_settings``."""
+    wanted = {
+        "statement_timeout": limits.statement_timeout_ms,
+        "lock_timeout": limits.lock_timeout_ms,
+    }
+    loose = []
+    for name, value in conn.exec_driver_sql(_SERVER_TIMEOUTS_SQL).all():
+        server_ms, want = int(value), wanted[str(name)]
+        if want > 0 and (server_ms == 0 or server_ms > want):
+            loose.append(LooseTimeout(str(name), server_ms, want))
+    return sorted(loose, key=lambda t: t.name)
+
+
 def application_name(pid: int, host: str | None = None) -> str:
     """``payment-worker:<pid>@<host>``: one process's name in ``pg_stat_activity`` (the
     server keeps 63 bytes; the pid comes first so that a long host name cannot cut it)."""

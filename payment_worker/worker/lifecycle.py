@@ -114,6 +114,33 @@ def raise_files_limit(sender: Any = None, **_: Any) -> None:
         )
 
 
+def check_pooler_timeouts(**_: Any) -> None:
+    """Behind PgBouncer (``DB_PGBOUNCER``) the service cannot send its statement and lock
+    timeouts: log each one the server's sessions leave looser than the settings want (a
+    blocked statement would then hold its account for longer, or for ever). Once, at
+    worker start; a database that cannot be read now is logged, not fatal (the drains
+    retry)."""
+    from payment_worker.db.engine import ConnectionLimits, loose_server_timeouts
+
+    rt = runtime.current()
+    if not rt.settings.db_pgbouncer:
+        return
+    try:
+        with rt.engine.connect() as conn:
+            loose = loose_server_timeouts(conn, ConnectionLimits.from_settings(rt.settings))
+    except Exception as exc:  # a start-up check never stops the worker
+        log.warning("db_timeouts_not_checked", error=f"{type(exc).__name__}: {exc}")
+        return
+    for t in loose:
+        log.warning(
+            "db_timeout_loose",
+            setting=t.name,
+            server_ms=t.server_ms,
+            wanted_ms=t.wanted_ms,
+            hint=f"ALTER ROLE <role> SET {t.name} = '{t.wanted_ms}ms' (docs/configuration.md)",
+        )
+
+
 def freeze_heap() -> int | None:
     """Collect once, then move every object alive now (modules, Celery, the runtime's
     engines and pools: about 130,000 in a worker) out of the collector's reach; returns
@@ -162,6 +189,7 @@ def _stopping(**_: Any) -> None:
 
 # connected when Celery imports this module (plain calls: Celery's decorators are untyped)
 worker_init.connect(raise_files_limit)
+worker_init.connect(check_pooler_timeouts)
 worker_process_init.connect(_child_started)
 worker_ready.connect(_worker_ready)
 worker_process_shutdown.connect(_stopping)

@@ -9,7 +9,9 @@ Missing pgbouncer skips the test locally and fails it in CI (``.ci/run`` install
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,13 +31,18 @@ from tests.pgbouncer import Bouncer, pgbouncer_binary, run_pgbouncer
 POOL = 6  # PgBouncer's server connections for the test database
 
 
-@pytest.fixture
-def bouncer(pw_env: PwEnv) -> Iterator[Bouncer]:
+def _need_pgbouncer() -> None:
+    # skipped locally without it, a failure in CI (.ci/run installs it)
     if pgbouncer_binary() is None:
         message = "pgbouncer is not installed (.ci/run installs the Debian package)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
+
+
+@pytest.fixture
+def bouncer(pw_env: PwEnv) -> Iterator[Bouncer]:
+    _need_pgbouncer()
     # behind a transaction pooler the timeouts come from the server (docs/configuration.md),
     # set before PgBouncer opens its first server connection
     dbname = str(conninfo_to_dict(pw_env.database_url)["dbname"])
@@ -91,9 +98,40 @@ def test_the_end_to_end_flow_through_pgbouncer_in_transaction_mode(
     # no task failed, and no statement met a prepared statement another client made
     assert "raised unexpected" not in logs, logs[-3000:]
     assert "prepared statement" not in logs, logs[-3000:]
+    # the database gives both timeouts: the workers' start-up check found nothing loose
+    assert "db_timeout_loose" not in logs and "db_timeouts_not_checked" not in logs
     # the work went through PgBouncer: thousands of transactions over its few server
     # connections
     stats = {r["database"]: r for r in bouncer.show("STATS")}
     assert int(str(stats[dbname]["total_xact_count"])) > total / 20 * 2
     servers = [r for r in bouncer.show("SERVERS") if r["database"] == dbname]
     assert len(servers) <= POOL
+
+
+def test_a_worker_behind_pgbouncer_names_the_timeouts_the_server_leaves_loose(
+    pw_env: PwEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _need_pgbouncer()
+    # the role and database give no statement timeout, and a lock timeout looser than asked
+    dbname = str(conninfo_to_dict(pw_env.database_url)["dbname"])
+    with psycopg.connect(pw_env.database_url, autocommit=True) as direct:
+        direct.execute(f"ALTER DATABASE \"{dbname}\" SET lock_timeout = '60s'")
+    with run_pgbouncer(pw_env.database_url, pool_size=2) as b:
+        env = {**os.environ, "DATABASE_URL": b.url, "DB_PGBOUNCER": "true", "METRICS_PORT": "0"}
+        with LocalCluster(workdir=tmp_path, env=env, concurrency=2) as cluster:
+            worker = cluster.start_worker()
+            deadline = time.monotonic() + 60
+            lines: list[dict[str, object]] = []
+            while time.monotonic() < deadline and len(lines) < 2:
+                time.sleep(0.2)
+                text = worker.log_path.read_text(errors="replace")
+                lines = [
+                    json.loads(line)
+                    for line in text.splitlines()
+                    if line.startswith("{") and '"db_timeout_loose"' in line
+                ]
+    assert sorted((x["setting"], x["server_ms"], x["wanted_ms"]) for x in lines) == [
+        ("lock_timeout", 60_000, 10_000),
+        ("statement_timeout", 0, 30_000),
+    ], text[-3000:]
+    assert all(x["level"] == "warning" for x in lines)
