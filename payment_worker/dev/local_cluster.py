@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -161,8 +161,11 @@ class LocalCluster:
         httpx.post(f"{self.sim_url}/_sim/config", json=flags, timeout=10).raise_for_status()
 
     # --- celery -------------------------------------------------------------------------
-    def start_worker(self, concurrency: int | None = None) -> ManagedProcess:
-        """Start one ``celery -A payment_worker worker`` process."""
+    def start_worker(
+        self, concurrency: int | None = None, extra: Sequence[str] = ()
+    ) -> ManagedProcess:
+        """Start one ``celery -A payment_worker worker`` process; ``extra``: more of
+        Celery's worker options (e.g. ``-I module``, a benchmark's task)."""
         self._counter += 1
         name = f"worker{self._counter}"
         slots = concurrency or self.concurrency
@@ -184,6 +187,7 @@ class LocalCluster:
             "--without-heartbeat",
             "--loglevel",
             "WARNING",
+            *extra,
         ]
         return self._proc(name, argv).start()
 
