@@ -19,9 +19,9 @@
   liveness may have lapsed since the lock was taken (reason ``liveness``).
 * Every acquisition takes a new fencing token from Postgres (one round trip); writes
   guarded by :mod:`payment_worker.db.fences` reject an older holder.
-* A blocking acquire waits in a FIFO queue: release hands the lock straight to the
-  oldest live waiter and wakes it with a push to its own list (BLPOP), so nobody
-  polls and nobody starves.
+* A blocking acquire waits in a FIFO queue (:mod:`.wait_queue`): release hands the lock
+  straight to the oldest live waiter and wakes it with a push to its own list (BLPOP), so
+  nobody polls and nobody starves.
 
 docs/locks.md describes the keys, scripts and rules; the key names are spelled in
 :mod:`payment_worker.redis_keys`, the scripts in ``payment_worker/lua/lock_*.lua``.
@@ -38,7 +38,6 @@ import redis
 import sqlalchemy
 from redis.exceptions import RedisError
 
-from payment_worker import lua
 from payment_worker.db.fences import next_fence_token
 from payment_worker.db.retry import transient_reason
 from payment_worker.errors import LockLost, LockNotAcquired
@@ -50,6 +49,7 @@ from payment_worker.locks.liveness import (
     holder_of,
     lock_value,
 )
+from payment_worker.locks.wait_queue import RELEASE_LUA, WaitQueue
 from payment_worker.locks.watchdog import Lease, Renewer, StallRule, renewal_client
 from payment_worker.locks.watchdog import clock as _clock
 from payment_worker.ops.logging import get_logger
@@ -68,11 +68,6 @@ log = get_logger("locks")
 
 # the default of REDIS_KEY_PREFIX, for callers that pass no prefix (tools, tests)
 DEFAULT_KEY_PREFIX = "pw"
-
-# The scripts run with KEYS = [lock, waiter queue, waiter leases]; headers in the files.
-_RELEASE_LUA = lua.load("lock_release")
-_WAIT_LUA = lua.load("lock_wait")
-_CANCEL_LUA = lua.load("lock_cancel")
 
 
 def lock_key(account_id: str, key_prefix: str | None = None) -> str:
@@ -163,8 +158,12 @@ class AccountLock:
         self._redis = redis
         self._engine = engine
         self._on_lost = on_lost
-        self._queue_key = self._keys.lock_queue(account_id)
-        self._waiters_key = self._keys.lock_waiters(account_id)
+        # the release script's KEYS: the lock, its waiter queue, the waiters' leases
+        self._queue_keys = [
+            self.key,
+            self._keys.lock_queue(account_id),
+            self._keys.lock_waiters(account_id),
+        ]
         self._state = threading.Lock()
         self._token: str | None = None
         self._deadline = 0.0
@@ -178,9 +177,7 @@ class AccountLock:
             client = renewal_redis if renewal_redis is not None else renewal_client(redis, ttl_ms)
             renewer = Renewer(client, linger=0.0, name=f"lock-renewer-{account_id}")
         self._renewer = renewer
-        self._release = redis.register_script(_RELEASE_LUA)
-        self._wait = redis.register_script(_WAIT_LUA)
-        self._cancel = redis.register_script(_CANCEL_LUA)
+        self._release = redis.register_script(RELEASE_LUA)
         # the process's heartbeat (locks/liveness.py); None: a plain token, freed by TTL only
         self._liveness = liveness
         self._epoch = 0
@@ -268,7 +265,8 @@ class AccountLock:
         granted = self._take_over(token) if self._liveness is not None else None
         if granted is None and blocking and (timeout is None or timeout > 0):
             until = None if timeout is None else started + timeout
-            granted = self._wait_in_queue(token, until)
+            queue = WaitQueue(self._redis, self._keys, self.account_id, self.key, self.ttl_ms)
+            granted = queue.wait(token, until)
         if granted is not None and arrival is not None:
             arrival.clear(self._redis)  # taken from a dead holder, or handed over
         return granted
@@ -294,51 +292,6 @@ class AccountLock:
         LOCK_TAKEOVERS.labels("task").inc()
         log.info("lock_taken_over", account_id=self.account_id, dead_holder=holder)
         return sent
-
-    def _slice(self) -> float:
-        """How long one BLPOP blocks before a fallback check (a dead holder, a lost wake)."""
-        slice_s = max(0.05, self.ttl_ms / 3000)
-        socket_timeout = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
-        if socket_timeout:
-            # the BLPOP must return before the client gives up on the socket
-            slice_s = min(slice_s, max(0.01, float(socket_timeout) * 0.8))
-        return slice_s
-
-    def _wait_in_queue(self, token: str, until: float | None) -> float | None:
-        slice_s = self._slice()
-        # a waiter that stops refreshing (killed, paused) is skipped after its lease
-        lease_ms = int((2 * slice_s + 1.0) * 1000)
-        keys = [self.key, self._queue_key, self._waiters_key]
-        wake_key = self._keys.lock_wake(self.account_id, token)
-        try:
-            sent = _clock()
-            if self._wait(keys=keys, args=[token, self.ttl_ms, lease_ms]) == 1:
-                return sent
-            while True:
-                remaining = None if until is None else until - _clock()
-                if remaining is not None and remaining <= 0:
-                    break
-                block = slice_s if remaining is None else min(slice_s, remaining)
-                # Redis reads a BLPOP timeout below 1 ms as 0, which blocks forever
-                self._redis.blpop([wake_key], timeout=max(0.01, block))
-                sent = _clock()
-                if self._wait(keys=keys, args=[token, self.ttl_ms, lease_ms]) == 1:
-                    return sent
-        except BaseException:
-            self._leave_queue(keys, token)
-            raise
-        sent = _clock()
-        if self._cancel(keys=keys, args=[token, self.ttl_ms]) == 1:
-            return sent
-        return None
-
-    def _leave_queue(self, keys: list[str], token: str) -> None:
-        """Best effort after an error: leave the queue and give back a lock handed to us."""
-        try:
-            if self._cancel(keys=keys, args=[token, self.ttl_ms]) == 1:
-                self._release(keys=keys, args=[token, self.ttl_ms])
-        except RedisError:
-            pass  # the lease expires; the lock's TTL frees anything handed over
 
     # --- holding ----------------------------------------------------------------------
 
@@ -477,7 +430,7 @@ class AccountLock:
             self._renewer.remove(lease)
         if token is None:
             return False
-        keys = [self.key, self._queue_key, self._waiters_key]
+        keys = self._queue_keys
         try:
             extra = [arrival.mark] if arrival is not None else []
             reply = self._release(keys=keys + extra, args=[token, self.ttl_ms])
