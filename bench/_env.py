@@ -69,6 +69,12 @@ def scratch(redis_dbs: tuple[int, int] = (13, 14)) -> Iterator[tuple[str, str, s
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def git_rev() -> str:
     """The current commit, short."""
     try:

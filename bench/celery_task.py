@@ -21,15 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from _env import git_rev, machine, scratch
+from _env import git_rev, machine, process_cpu_seconds, scratch
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_round(
@@ -56,12 +51,14 @@ def one_round(
                 raise SystemExit(f"the worker did not start: {worker.log_path.read_text()[-2000:]}")
             time.sleep(0.2)
         time.sleep(1.0)
-        c0 = _cpu_s(worker.pid)
+        c0 = process_cpu_seconds(worker.pid)
         time.sleep(2.0)
-        idle = (_cpu_s(worker.pid) - c0) / 2.0  # heartbeat, sweeper thread: not the tasks'
+        idle = (
+            process_cpu_seconds(worker.pid) - c0
+        ) / 2.0  # heartbeat, sweeper thread: not the tasks'
         from _noop_task import noop
 
-        c0, t0 = _cpu_s(worker.pid), time.monotonic()
+        c0, t0 = process_cpu_seconds(worker.pid), time.monotonic()
         for _ in range(tasks):
             noop.apply_async((sleep_s,))
         while broker.llen("payments") or broker.hlen("unacked"):
@@ -69,7 +66,7 @@ def one_round(
                 raise SystemExit("the tasks did not finish in 600 s")
             time.sleep(0.02)
         elapsed = time.monotonic() - t0
-        used = _cpu_s(worker.pid) - c0 - idle * elapsed
+        used = process_cpu_seconds(worker.pid) - c0 - idle * elapsed
     return used / tasks * 1e6, elapsed
 
 

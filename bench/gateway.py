@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+from _env import process_cpu_seconds  # noqa: E402
 
 from payment_worker.domain.payment_request import PaymentRequest  # noqa: E402
 from payment_worker.gateway import GatewayClient, GatewayResult  # noqa: E402
@@ -288,17 +289,11 @@ async def _load(url: str, conns: int, seconds: float) -> tuple[int, Counter[int]
     return int(sum(statuses.values()) / elapsed), statuses
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     with run_simulator(rate=1_000_000, token_rate=1000, seed=5) as sim:
-        cpu0 = _cpu_seconds(sim.proc.pid)
+        cpu0 = process_cpu_seconds(sim.proc.pid)
         rps, statuses = asyncio.run(_load(sim.url, args.connections, args.throughput_seconds))
-        cpu = _cpu_seconds(sim.proc.pid) - cpu0
+        cpu = process_cpu_seconds(sim.proc.pid) - cpu0
     n = sum(statuses.values())
     return {
         "req_per_s": rps,
