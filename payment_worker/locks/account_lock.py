@@ -38,6 +38,7 @@ import redis
 import sqlalchemy
 from redis.exceptions import RedisError
 
+from payment_worker import lua
 from payment_worker.db.fences import next_fence_token
 from payment_worker.db.retry import transient_reason
 from payment_worker.errors import LockLost, LockNotAcquired
@@ -49,7 +50,7 @@ from payment_worker.locks.liveness import (
     holder_of,
     lock_value,
 )
-from payment_worker.locks.wait_queue import RELEASE_LUA, WaitQueue
+from payment_worker.locks.wait_queue import WaitQueue
 from payment_worker.locks.watchdog import Lease, Renewer, StallRule, renewal_client
 from payment_worker.locks.watchdog import clock as _clock
 from payment_worker.ops.logging import get_logger
@@ -68,6 +69,9 @@ log = get_logger("locks")
 
 # the default of REDIS_KEY_PREFIX, for callers that pass no prefix (tools, tests)
 DEFAULT_KEY_PREFIX = "pw"
+
+# KEYS = [lock, waiter queue, waiter leases] (+ an arrival mark); header in the file
+_RELEASE_LUA = lua.load("lock_release")
 
 
 def lock_key(account_id: str, key_prefix: str | None = None) -> str:
@@ -177,7 +181,7 @@ class AccountLock:
             client = renewal_redis if renewal_redis is not None else renewal_client(redis, ttl_ms)
             renewer = Renewer(client, linger=0.0, name=f"lock-renewer-{account_id}")
         self._renewer = renewer
-        self._release = redis.register_script(RELEASE_LUA)
+        self._release = redis.register_script(_RELEASE_LUA)
         # the process's heartbeat (locks/liveness.py); None: a plain token, freed by TTL only
         self._liveness = liveness
         self._epoch = 0
@@ -265,7 +269,14 @@ class AccountLock:
         granted = self._take_over(token) if self._liveness is not None else None
         if granted is None and blocking and (timeout is None or timeout > 0):
             until = None if timeout is None else started + timeout
-            queue = WaitQueue(self._redis, self._keys, self.account_id, self.key, self.ttl_ms)
+            queue = WaitQueue(
+                self._redis,
+                self._keys,
+                self.account_id,
+                self._queue_keys,
+                self.ttl_ms,
+                self._release,
+            )
             granted = queue.wait(token, until)
         if granted is not None and arrival is not None:
             arrival.clear(self._redis)  # taken from a dead holder, or handed over

@@ -12,6 +12,7 @@ and the scripts' rules.
 from __future__ import annotations
 
 import redis
+from redis.commands.core import Script
 from redis.exceptions import RedisError
 
 from payment_worker import lua
@@ -19,26 +20,32 @@ from payment_worker.locks.watchdog import clock as _clock
 from payment_worker.redis_keys import RedisKeys
 
 # The scripts run with KEYS = [lock, waiter queue, waiter leases]; headers in the files.
-RELEASE_LUA = lua.load("lock_release")
 _WAIT_LUA = lua.load("lock_wait")
 _CANCEL_LUA = lua.load("lock_cancel")
 
 
 class WaitQueue:
-    """One account's waiter queue, for the lock at ``lock_key`` with ``ttl_ms``."""
+    """One account's waiter queue, for the lock whose scripts take ``script_keys`` (the
+    lock, its waiter queue, the waiters' leases) and whose ``release`` script gives back a
+    lock handed over to a waiter that gives up on an error."""
 
     def __init__(
-        self, client: redis.Redis, keys: RedisKeys, account_id: str, lock_key: str, ttl_ms: int
+        self,
+        client: redis.Redis,
+        keys: RedisKeys,
+        account_id: str,
+        script_keys: list[str],
+        ttl_ms: int,
+        release: Script,
     ) -> None:
         self.account_id = account_id
         self.ttl_ms = ttl_ms
-        #: the scripts' KEYS: the lock, the waiter queue, the waiters' leases
-        self.keys = [lock_key, keys.lock_queue(account_id), keys.lock_waiters(account_id)]
+        self.keys = script_keys
         self._redis = client
         self._redis_keys = keys
         self._wait = client.register_script(_WAIT_LUA)
         self._cancel = client.register_script(_CANCEL_LUA)
-        self._release = client.register_script(RELEASE_LUA)
+        self._release = release
 
     def slice_seconds(self) -> float:
         """How long one BLPOP blocks before a fallback check (a dead holder, a lost wake)."""
