@@ -126,7 +126,8 @@ def check_pooler_timeouts(**_: Any) -> None:
     if not rt.settings.db_pgbouncer:
         return
     try:
-        with rt.engine.connect() as conn:
+        # the autocommit view: one round trip, no BEGIN/ROLLBACK around the read
+        with rt.autocommit_engine.connect() as conn:
             loose = loose_server_timeouts(conn, ConnectionLimits.from_settings(rt.settings))
     except Exception as exc:  # a start-up check never stops the worker
         log.warning("db_timeouts_not_checked", error=f"{type(exc).__name__}: {exc}")
