@@ -3,8 +3,9 @@
 Connected when the Celery app is imported (``celery_app`` imports this module), so that it is
 in place before Celery would configure logging itself: with a receiver on ``setup_logging``
 Celery installs no handler and does not redirect stdout, and its own records (``celery@host
-ready.``, ``Task ... received``, ``succeeded in``) reach the root logger, rendered by the same
-processors as ours (``payment_worker.ops.logging``).
+ready.``, a task's failure) reach the root logger, rendered by the same processors as ours
+(``payment_worker.ops.logging``). Its two INFO lines of every message (``Task ... received``,
+``succeeded in``) are dropped unless ``LOG_TASK_LINES=true`` (:class:`TaskLinesFilter`).
 
 Each task binds ``task_id`` and ``task`` at ``task_prerun`` (the task body adds ``batch_id``,
 the drain loop ``account_id``, and per item ``transaction_id``, ``attempt`` and
@@ -18,8 +19,10 @@ Under JSON logs the worker's startup banner (plain text on stdout) is replaced b
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from celery.app import trace as celery_trace
 from celery.signals import (
     celeryd_after_setup,
     celeryd_init,
@@ -36,13 +39,51 @@ from payment_worker.ops.logging import (
     json_lines,
 )
 from payment_worker.ops.redaction import mask_url
+from payment_worker.settings import Settings
 
 log = get_logger("worker")
 
 
+class TaskLinesFilter(logging.Filter):
+    """Drops Celery's two INFO lines of every message, ``Task ... received`` and ``Task ...
+    succeeded in ...``; every other record passes (failures, retries, the worker's own).
+
+    Why: at thousands of messages a second they cost about 0.2 ms of worker CPU a message
+    (issue 13, docs/benchmarks.md), and our ``account_drained`` line names the same task,
+    batch and account with the outcome. ``LOG_TASK_LINES=true`` keeps them."""
+
+    DROPPED = frozenset({celery_trace.LOG_RECEIVED, celery_trace.LOG_SUCCESS})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for the two lines above."""
+        return record.msg not in self.DROPPED
+
+
+#: the loggers Celery writes those lines to (the consumer's strategy, the task tracer)
+TASK_LINE_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
+
+
+def apply_task_lines_setting(keep: bool) -> None:
+    """Install :class:`TaskLinesFilter` on Celery's loggers unless ``keep`` (LOG_TASK_LINES);
+    idempotent."""
+    for name in TASK_LINE_LOGGERS:
+        logger = logging.getLogger(name)
+        present = [f for f in logger.filters if isinstance(f, TaskLinesFilter)]
+        if keep:
+            for f in present:
+                logger.removeFilter(f)
+        elif not present:
+            logger.addFilter(TaskLinesFilter())
+
+
+def _configure(settings: Settings) -> None:
+    configure_from_settings(settings)
+    apply_task_lines_setting(settings.log_task_lines)
+
+
 def _setup_logging(loglevel: Any = None, **_: Any) -> None:
     # our configuration for every logger; Celery's --loglevel is not used (LOG_LEVEL is)
-    configure_from_settings(runtime.current().settings)
+    _configure(runtime.current().settings)
 
 
 def _task_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
@@ -57,8 +98,7 @@ def _task_postrun(**_: Any) -> None:
 def _worker_configuring(instance: Any = None, **_: Any) -> None:
     # celeryd_init: the worker's first signal, before Celery's own warnings (running as
     # root...) and its setup_logging: configure now, so that every line is ours
-    s = runtime.current().settings
-    configure_from_settings(s)
+    _configure(runtime.current().settings)
     if json_lines() and instance is not None:
         instance.quiet = True  # no plain-text banner on stdout; worker_starting says it
 

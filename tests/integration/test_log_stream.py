@@ -1,19 +1,28 @@
 """One JSON log stream: a real worker (stderr a file, not a terminal) through a small end to
 end run; every stderr line is a JSON object, Celery's own lines included, and the lines
-about an item carry the task, batch, account and item context (docs/logging.md)."""
+about an item carry the task, batch, account and item context (docs/logging.md). Celery's
+two lines per message come out with ``LOG_TASK_LINES=true`` only."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import PwEnv
 from tests.integration import secret_flow as flow
 
 
-def test_worker_writes_one_json_stream_with_context(pw_env: PwEnv, tmp_path: Path) -> None:
+@pytest.mark.parametrize("task_lines", [None, "true"], ids=["default", "task-lines"])
+def test_worker_writes_one_json_stream_with_context(
+    pw_env: PwEnv, tmp_path: Path, task_lines: str | None
+) -> None:
     env = flow.worker_env(flow.environ())
     env.pop("LOG_LEVEL", None)  # the default, INFO
+    env.pop("LOG_TASK_LINES", None)
+    if task_lines is not None:
+        env["LOG_TASK_LINES"] = task_lines
     data = flow.batches("ls")
     total = sum(len(b["items"]) for b in data)
     with flow.simulator(env, tmp_path) as sim:
@@ -35,8 +44,14 @@ def test_worker_writes_one_json_stream_with_context(pw_env: PwEnv, tmp_path: Pat
     events = [str(x["event"]) for x in lines]
     # Celery's own lines, rendered by our processors
     assert any(e.endswith(" ready.") and e.startswith("w1@") for e in events), events[:40]
-    received = [x for x in lines if " received" in str(x["event"])]
-    assert received and all(x["logger"].startswith("celery") for x in received)
+    # Celery's two lines per message: off by default (LOG_TASK_LINES), every other line kept
+    received = [x for x in lines if str(x["event"]).endswith("] received")]
+    succeeded = [x for x in lines if "] succeeded in " in str(x["event"])]
+    if task_lines is None:
+        assert not received and not succeeded, (received + succeeded)[:3]
+    else:
+        assert received and all(x["logger"] == "celery.worker.strategy" for x in received)
+        assert succeeded and all(x["logger"] == "celery.app.trace" for x in succeeded)
     assert any(x["event"] == "worker_starting" for x in lines)
 
     # item events carry the whole context

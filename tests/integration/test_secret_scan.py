@@ -153,6 +153,7 @@ def test_no_secret_in_any_output(pw_env: PwEnv, tmp_path: Path) -> None:
                 "DATABASE_URL": db_url,
                 "GATEWAY_CLIENT_SECRET": GATEWAY_SECRET,
                 "LOG_LEVEL": "DEBUG",
+                "LOG_TASK_LINES": "true",  # Celery's lines of each message too
             }
         )
         data = flow.batches("scan")
