@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -73,6 +75,21 @@ def process_cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def create_request(host: str, token: str, payment: Any) -> tuple[str, dict[str, str], bytes]:
+    """The service's create request for ``payment`` (a ``PaymentRequest``): its path,
+    headers and compact JSON body, as ``GatewayClient`` sends them."""
+    headers = {
+        "Host": host,
+        "Accept": "application/json",
+        "User-Agent": "payment-worker",
+        "Authorization": "Bearer " + token,
+        "Idempotency-Key": payment.idempotency_key,
+        "Content-Type": "application/json",
+    }
+    body = json.dumps(payment.body(), separators=(",", ":")).encode()
+    return f"/v1/accounts/{payment.account_id}/payments", headers, body
 
 
 def git_rev() -> str:

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
-from _env import git_rev, machine, process_cpu_seconds  # noqa: E402
+from _env import create_request, git_rev, machine, process_cpu_seconds  # noqa: E402
 
 from payment_worker.domain.payment_request import PaymentRequest  # noqa: E402
 from payment_worker.gateway.connection import GatewayConnection  # noqa: E402
@@ -74,20 +74,8 @@ def alone_seconds(loops: int, n: int) -> float:
     return time.process_time() - t0
 
 
-def request_parts(
-    host: str, token: str, account: str, seq: int
-) -> tuple[str, dict[str, str], bytes]:
-    """The create request of the service: its path, headers and JSON body."""
-    p = PaymentRequest(account, f"cm-{account}-{seq}", 150000, "IDR", BEN)
-    headers = {
-        "Host": host,
-        "Accept": "application/json",
-        "User-Agent": "payment-worker",
-        "Authorization": "Bearer " + token,
-        "Idempotency-Key": p.idempotency_key,
-        "Content-Type": "application/json",
-    }
-    return f"/v1/accounts/{account}/payments", headers, json.dumps(p.body()).encode()
+def _payment(account: str, seq: int) -> PaymentRequest:
+    return PaymentRequest(account, f"cm-{account}-{seq}", 150000, "IDR", BEN)
 
 
 def run_threads(host: str, port: int, tokens: dict[str, str], args: argparse.Namespace) -> int:
@@ -102,7 +90,7 @@ def run_threads(host: str, port: int, tokens: dict[str, str], args: argparse.Nam
         ok = 0
         for i in range(args.requests):
             spin(args.loops)
-            path, headers, body = request_parts(f"{host}:{port}", tokens[a], a, i)
+            path, headers, body = create_request(f"{host}:{port}", tokens[a], _payment(a, i))
             answer = conn.request("POST", path, headers, body)
             json.loads(answer.content)
             ok += answer.status_code == 201
@@ -126,7 +114,7 @@ async def _account_async(host: str, port: int, token: str, a: str, args: argpars
     ok = 0
     for i in range(args.requests):
         spin(args.loops)
-        path, headers, body = request_parts(f"{host}:{port}", token, a, i)
+        path, headers, body = create_request(f"{host}:{port}", token, _payment(a, i))
         head = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
         block = await reader.readuntil(b"\r\n\r\n")

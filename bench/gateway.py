@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
-from _env import process_cpu_seconds  # noqa: E402
+from _env import create_request, process_cpu_seconds  # noqa: E402
 
 from payment_worker.domain.payment_request import PaymentRequest  # noqa: E402
 from payment_worker.gateway import GatewayClient, GatewayResult  # noqa: E402
@@ -327,17 +327,7 @@ def run_http(args: argparse.Namespace) -> dict[str, float]:
         def request(stack: str) -> tuple[str, dict[str, str], bytes]:
             i = next(seq)
             a = f"{stack}-{i % 20}"
-            p = payment(a, f"t-{i}")
-            headers = {
-                "Host": base.netloc.decode(),
-                "Accept": "application/json",
-                "User-Agent": "payment-worker",
-                "Authorization": "Bearer " + tokens[a],
-                "Idempotency-Key": p.idempotency_key,
-                "Content-Type": "application/json",
-            }
-            body = json.dumps(p.body(), separators=(",", ":")).encode()
-            return f"/v1/accounts/{a}/payments", headers, body
+            return create_request(base.netloc.decode(), tokens[a], payment(a, f"t-{i}"))
 
         hx = httpx.Client(base_url=sim.url, timeout=5)
         core = httpcore.ConnectionPool(max_connections=1, max_keepalive_connections=1)
