@@ -30,7 +30,7 @@ from payment_worker.locks.account_lock import AccountLock
 from payment_worker.locks.liveness import Liveness
 from payment_worker.locks.watchdog import Renewer, renewal_client
 from payment_worker.redis_keys import RedisKeys
-from payment_worker.redis_pool import thread_local_client
+from payment_worker.redis_pool import sharded_client
 from payment_worker.settings import Settings, load_settings
 
 
@@ -93,14 +93,14 @@ class Runtime:
         # the same pool in autocommit: the drain's one-statement calls and the fencing
         # upsert of every lock acquisition (one round trip each)
         self.autocommit_engine: Engine = autocommit(self.engine)
-        # a pool per thread: hundreds of task threads would queue on one pool's lock
-        self.redis: redis.Redis = thread_local_client(self.urls.redis, health_check_interval=10)
+        # pools in shards: hundreds of task threads would queue on one pool's lock
+        self.redis: redis.Redis = sharded_client(self.urls.redis, health_check_interval=10)
         # renewals: no client-side retries, a socket timeout of at most TTL/3
         self.renewal_redis: redis.Redis = renewal_client(self.redis, s.lock_ttl_ms)
         # one thread renews every lock this process holds, one round trip per tick
         self.renewer = Renewer(self.renewal_redis)
         # the producer's dedup window: a slow Redis must not stall submission (Postgres decides)
-        self.dedup_redis: redis.Redis = thread_local_client(
+        self.dedup_redis: redis.Redis = sharded_client(
             self.urls.redis, socket_timeout=1.0, socket_connect_timeout=1.0
         )
         self.gateway = GatewayClient(s, self.redis)

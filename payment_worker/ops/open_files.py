@@ -1,10 +1,10 @@
 """The process's limit of open files, raised to what thousands of accounts in flight need.
 
-Every account in flight holds sockets: its slot's connection to the gateway and its thread's
-Redis connections (:mod:`payment_worker.redis_pool`). A threads worker at the default
-concurrency opens about 1,000 files at 1 s gateway latency, past the soft limit of 1,024 that
-many Linux systems give a process, and a socket it cannot open fails a payment call
-(``EMFILE``). The soft limit is a per-process setting any process may raise up to its hard
+Every account in flight holds sockets: its request's connection to the gateway and, while a
+command runs, a Redis connection (:mod:`payment_worker.redis_pool`). A threads worker at the
+default concurrency opens about 1,000 files at 1 s gateway latency, past the soft limit of
+1,024 that many Linux systems give a process, and a socket it cannot open fails a payment
+call (``EMFILE``). The soft limit is a per-process setting any process may raise up to its hard
 limit, so the worker and the simulator raise it at start; a hard limit below the need is
 logged, not guessed around.
 """

@@ -1,6 +1,7 @@
-"""The per-thread Redis pool (payment_worker.redis_pool) against a real Redis: each thread
-uses connections of its own, released to their own pool; disconnect reaches them all; a
-reset (a forked child) forgets them."""
+"""The sharded Redis pool (payment_worker.redis_pool) against a real Redis: threads are dealt
+over the sub-pools and share their connections, so a stream of new threads opens no
+connection per thread; a connection goes back to its own sub-pool; disconnect reaches them
+all; a reset (a forked child) forgets them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import threading
 
 import pytest
 import redis
+import redis.utils
 
-from payment_worker.redis_pool import ThreadLocalConnectionPool, thread_local_client
+from payment_worker.redis_pool import SHARDS, ShardedConnectionPool, driver_info, sharded_client
 from tests.conftest import PwEnv, wait_until
 
 
@@ -17,12 +19,34 @@ def _client_ids(admin: redis.Redis, name: str) -> set[int]:
     return {int(c["id"]) for c in admin.client_list() if c.get("name") == name}
 
 
-def test_each_thread_has_its_own_connections_and_disconnect_reaches_all(pw_env: PwEnv) -> None:
-    client = thread_local_client(pw_env.redis_url, client_name="pw-pool-test")
-    pool = client.connection_pool
-    assert isinstance(pool, ThreadLocalConnectionPool)
+def _run_in_thread(fn: object) -> None:
+    t = threading.Thread(target=fn)  # type: ignore[arg-type]
+    t.start()
+    t.join()
+
+
+def test_new_threads_reuse_the_connections_of_threads_before_them(pw_env: PwEnv) -> None:
+    """Celery's threads pool starts a thread for each task that finds none idle: a pool per
+    thread opened a connection for each (six round trips, about 1.5 ms of CPU)."""
+    client = sharded_client(pw_env.redis_url, client_name="pw-pool-reuse", shards=4)
     admin = redis.Redis.from_url(pw_env.redis_url)
-    seen: dict[str, int] = {}
+    ids: list[int] = []
+    try:
+        for _ in range(40):  # one after another, each a new thread
+            _run_in_thread(lambda: ids.append(int(client.client_id())))
+        # at most one connection per sub-pool, not one per thread
+        assert len(set(ids)) <= 4
+        assert len(_client_ids(admin, "pw-pool-reuse")) <= 4
+    finally:
+        client.close()
+        admin.close()
+
+
+def test_threads_at_once_share_connections_and_disconnect_reaches_all(pw_env: PwEnv) -> None:
+    client = sharded_client(pw_env.redis_url, client_name="pw-pool-test")
+    pool = client.connection_pool
+    assert isinstance(pool, ShardedConnectionPool)
+    admin = redis.Redis.from_url(pw_env.redis_url)
     start, worked, done = threading.Barrier(8), threading.Barrier(9), threading.Event()
 
     def work(n: int) -> None:
@@ -33,9 +57,8 @@ def test_each_thread_has_its_own_connections_and_disconnect_reaches_all(pw_env: 
                 pipe.get(f"pw-pool-test:{n}:{i}")
                 pipe.incr("pw-pool-test:count")
                 pipe.execute()
-        seen[threading.current_thread().name] = int(client.client_id())
         worked.wait()
-        done.wait(30)  # alive (its pool with it) until the main thread has disconnected
+        done.wait(30)  # alive until the main thread has disconnected
 
     threads = [threading.Thread(target=work, args=(n,), name=f"t{n}") for n in range(8)]
     for t in threads:
@@ -43,10 +66,8 @@ def test_each_thread_has_its_own_connections_and_disconnect_reaches_all(pw_env: 
     worked.wait()
     try:
         assert int(client.get("pw-pool-test:count") or 0) == 400
-        # one connection per thread, each thread on its own (and one for this thread)
-        assert len(set(seen.values())) == 8
-        assert set(seen.values()) <= _client_ids(admin, "pw-pool-test")
-        # the threads are alive: disconnect reaches their pools
+        # never more connections than threads in Redis at once (8, and this one)
+        assert 1 <= len(_client_ids(admin, "pw-pool-test")) <= 9
         pool.disconnect()
         wait_until(lambda: not _client_ids(admin, "pw-pool-test"), 5, "every connection closed")
     finally:
@@ -56,29 +77,52 @@ def test_each_thread_has_its_own_connections_and_disconnect_reaches_all(pw_env: 
     # usable again afterwards (connections reconnect)
     assert client.ping()
     client.close()
+    admin.close()
 
 
-def test_a_reset_forgets_the_threads_pools(pw_env: PwEnv) -> None:
-    client = thread_local_client(pw_env.redis_url)
+def test_a_connection_goes_back_to_its_own_sub_pool(pw_env: PwEnv) -> None:
+    client = sharded_client(pw_env.redis_url, shards=2)
+    pool = client.connection_pool
+    assert isinstance(pool, ShardedConnectionPool)
+    taken: list[object] = []
+    _run_in_thread(lambda: taken.append(pool.get_connection()))
+    conn = taken[0]
+    home = conn._pw_pool  # type: ignore[attr-defined]
+    pool.release(conn)  # released by another thread than the one that took it
+    assert conn in home._available_connections
+    assert all(conn not in p._available_connections for p in pool._shards if p is not home)
+    client.close()
+
+
+def test_a_reset_forgets_the_sub_pools_connections(pw_env: PwEnv) -> None:
+    client = sharded_client(pw_env.redis_url)
     assert client.ping()
-    before = client.connection_pool._sub()  # type: ignore[attr-defined]
+    sub = client.connection_pool._sub()  # type: ignore[attr-defined]
+    assert sub._available_connections
     client.connection_pool.reset()
-    assert client.connection_pool._sub() is not before  # type: ignore[attr-defined]
+    assert not sub._available_connections
     assert client.ping()
     client.close()
 
 
+def test_shards_must_be_positive(pw_env: PwEnv) -> None:
+    with pytest.raises(ValueError, match="shards"):
+        ShardedConnectionPool.from_url(pw_env.redis_url, shards=0)
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"socket_timeout": 1.0, "health_check_interval": 10}])
-def test_the_threads_pools_are_built_like_redis_py_builds_it(
+def test_the_sub_pools_are_built_like_redis_py_builds_it(
     pw_env: PwEnv, kwargs: dict[str, float]
 ) -> None:
-    client = thread_local_client(pw_env.redis_url, **kwargs)
+    client = sharded_client(pw_env.redis_url, **kwargs)
     plain = redis.Redis.from_url(pw_env.redis_url, **kwargs)
-    sub = client.connection_pool._sub()  # type: ignore[attr-defined]
-    mine = {k: v for k, v in sub.connection_kwargs.items() if k != "himport_registry"}
-    theirs = {
-        k: v for k, v in plain.connection_pool.connection_kwargs.items() if k != "himport_registry"
-    }
+    pool = client.connection_pool
+    assert isinstance(pool, ShardedConnectionPool)
+    assert len(pool._shards) == SHARDS
+    sub = pool._sub()
+    skip = {"himport_registry", "driver_info"}
+    mine = {k: v for k, v in sub.connection_kwargs.items() if k not in skip}
+    theirs = {k: v for k, v in plain.connection_pool.connection_kwargs.items() if k not in skip}
     assert mine.keys() == theirs.keys()
     for key in ("host", "port", "db", "socket_timeout", "health_check_interval"):
         assert mine.get(key) == theirs.get(key)
@@ -86,13 +130,42 @@ def test_the_threads_pools_are_built_like_redis_py_builds_it(
     plain.close()
 
 
+def test_the_client_identifies_itself_without_reading_package_metadata_per_connection(
+    pw_env: PwEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    info = driver_info()
+    if info is None:
+        pytest.skip("this redis-py has no DriverInfo")
+    client = sharded_client(pw_env.redis_url, client_name="pw-pool-info")
+    admin = redis.Redis.from_url(pw_env.redis_url)
+    assert admin.ping()  # its connection made before the patch (a plain client reads it)
+
+    def forbidden() -> str:
+        raise AssertionError("package metadata read for a connection")
+
+    monkeypatch.setattr(redis.utils, "get_lib_version", forbidden)
+    try:
+        for _ in range(3):
+            _run_in_thread(client.ping)
+        mine = [c for c in admin.client_list() if c.get("name") == "pw-pool-info"]
+        assert mine
+        # Redis 7.2 and later show what CLIENT SETINFO told them (earlier ones refuse it,
+        # which redis-py ignores)
+        if "lib-name" in mine[0]:
+            assert all(c["lib-name"] == info.formatted_name for c in mine)
+            assert all(c["lib-ver"] == info.lib_version for c in mine)
+    finally:
+        client.close()
+        admin.close()
+
+
 def test_more_threads_in_redis_at_once_than_a_plain_pool_allows(pw_env: PwEnv) -> None:
     """redis-py 8 caps a plain pool at 100 connections and raises MaxConnectionsError past
     it: with hundreds of task threads, scenario 5 of issue 13 saw pacing, lock releases and
-    whole tasks fail with it. Each thread's own pool never runs out."""
+    whole tasks fail with it. Each sub-pool has that cap, for a few threads each."""
     plain = redis.Redis.from_url(pw_env.redis_url)
     assert plain.connection_pool.max_connections <= 150  # the cap this test goes past
-    client = thread_local_client(pw_env.redis_url)
+    client = sharded_client(pw_env.redis_url)
     errors: list[BaseException] = []
     start = threading.Barrier(150)
 
