@@ -1,9 +1,11 @@
 """The gateway client: create and look up payments, classified into outcomes.
 
-One :class:`GatewayClient` per process, shared by its threads. Each thread has its own
+One :class:`GatewayClient` per process, shared by its threads. A request takes an idle
 keep-alive connection (:class:`~payment_worker.gateway.connection.GatewayConnection`, over
-the standard library's ``http.client``): a worker thread has one request in flight at a
-time, and a pool shared by all threads would serialize them on its lock. Transport errors
+the standard library's ``http.client``) from a stack shared by the threads, or opens one,
+and puts it back when its answer is read: a deque's ``pop`` and ``append`` need no lock, so
+hundreds of threads never queue on one, and a new task thread (Celery starts one for each
+task that finds none idle) reuses a connection instead of opening its own. Transport errors
 are raised as httpx's exception classes, by the phase they happened in (connect, send,
 answer), which :mod:`payment_worker.gateway.outcomes` classifies. It takes the account's
 shared token (:mod:`payment_worker.gateway.tokens`) and a pacing slot
@@ -14,6 +16,7 @@ raises only for programming errors.
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -70,8 +73,9 @@ class GatewayClient:
         self._settings = settings
         s = settings
         self._redis = redis
-        # one keep-alive connection per thread (see the module)
-        self._local = threading.local()
+        # idle keep-alive connections, the last used on top (see the module); every one
+        # made, for close()
+        self._idle: collections.deque[GatewayConnection] = collections.deque()
         self._connections: list[GatewayConnection] = []
         self._connections_lock = threading.Lock()
         base = httpx.URL(s.gateway_url)
@@ -93,21 +97,22 @@ class GatewayClient:
             redis, prefix=s.redis_key_prefix, lease_seconds=s.gateway_pacing_lease_seconds
         )
 
-    def _connection(self) -> GatewayConnection:
-        conn: GatewayConnection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            s = self._settings
-            conn = GatewayConnection(
-                self._scheme,
-                self._host_name,
-                self._port,
-                connect_timeout=s.gateway_connect_timeout,
-                read_timeout=s.gateway_read_timeout,
-                ssl_context=self._ssl,
-            )
-            self._local.conn = conn
-            with self._connections_lock:
-                self._connections.append(conn)
+    def _checkout(self) -> GatewayConnection:
+        try:
+            return self._idle.pop()  # atomic: no two threads get the same connection
+        except IndexError:
+            pass
+        s = self._settings
+        conn = GatewayConnection(
+            self._scheme,
+            self._host_name,
+            self._port,
+            connect_timeout=s.gateway_connect_timeout,
+            read_timeout=s.gateway_read_timeout,
+            ssl_context=self._ssl,
+        )
+        with self._connections_lock:
+            self._connections.append(conn)
         return conn
 
     def _request(self, method: str, path: str, headers: dict[str, str], body: Any = None) -> Answer:
@@ -120,7 +125,16 @@ class GatewayClient:
         if body is not None:
             content = json.dumps(body, separators=(",", ":")).encode()
             hdrs["Content-Type"] = "application/json"
-        return self._connection().request(method, self._prefix + path, hdrs, content)
+        conn = self._checkout()
+        try:
+            return conn.request(method, self._prefix + path, hdrs, content)
+        except BaseException:
+            # request() closes the socket on every error it raises; anything else may have
+            # left an answer half read, which the next request must not see
+            conn.close()
+            raise
+        finally:
+            self._idle.append(conn)
 
     # --- the protocol -----------------------------------------------------------------
     def create_payment(
@@ -191,9 +205,11 @@ class GatewayClient:
             log.warning("pacing_give_back_failed", account_id=account_id, error=str(exc))
 
     def close(self) -> None:
-        """Close the HTTP connections (of every thread)."""
+        """Close every HTTP connection (a later request opens a new one)."""
+        # the list is kept: a closed connection reopens on its next use, and is closed by
+        # the next close() again
         with self._connections_lock:
-            connections, self._connections = self._connections, []
+            connections = list(self._connections)
         for conn in connections:
             conn.close()
 

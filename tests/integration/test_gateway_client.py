@@ -313,3 +313,37 @@ def test_guard_runs_after_the_pacing_wait_and_stops_the_send(
     assert len(calls) == 1 and calls[0] >= 0.45  # checked after the wait, not before it
     ledger = gateway_sim.ledger()
     assert ledger["payments_sent"] == 0 and ledger["requests"].get("create", 0) == 0
+
+
+def test_threads_share_idle_connections_and_never_one_in_use(
+    client: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    """A request takes an idle keep-alive connection from the shared stack or opens one:
+    requests at once each get their own, and new threads after them (Celery starts one for
+    each task that finds none idle) open none."""
+    gateway_sim.configure(latency_ms=200)
+    go = threading.Barrier(6)
+    results: list[Any] = []
+
+    def at_once(n: int) -> None:
+        go.wait()
+        results.append(create(client, tx(f"tx-at-once-{n}", account=f"acct-share-{n}")))
+
+    threads = [threading.Thread(target=at_once, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.outcome for r in results] == [Outcome.SUCCEEDED] * 6
+    made = len(client._connections)
+    # one each while in flight together (the token fetches may have taken some too)
+    assert 6 <= made <= 12
+    gateway_sim.configure(latency_ms=0)
+    for n in range(20):  # one after another, each on a new thread
+        t = threading.Thread(
+            target=lambda n=n: results.append(create(client, tx(f"tx-later-{n}", account=ACCT)))
+        )
+        t.start()
+        t.join()
+    assert all(r.outcome is Outcome.SUCCEEDED for r in results)
+    assert len(client._connections) == made
