@@ -53,7 +53,8 @@ class ShardedConnectionPool(redis.ConnectionPool):
     assigned round robin at its first command; a connection goes back to the sub-pool it
     came from, whichever thread releases it. ``disconnect``/``close`` reach every
     sub-pool's connections; ``reset`` (a forked child) forgets them without closing the
-    parent's sockets, as redis-py's own pool does.
+    parent's sockets, as redis-py's own pool does. ``max_connections`` bounds each sub-pool
+    (redis-py's default, 100 in redis-py 8, is far above a sub-pool's few dozen threads).
     """
 
     def __init__(self, *args: Any, shards: int = SHARDS, **kwargs: Any) -> None:
