@@ -184,6 +184,10 @@ class Settings(BaseSettings):
     # unset: THREADS_CONCURRENCY for threads, the CPU count for prefork (a process per slot),
     # 1 for solo
     worker_concurrency: int | None = Field(None, ge=1, le=10_000)
+    # the threads pool starts all its threads once the worker is ready, instead of one per
+    # task that finds none idle while messages arrive: a burst's messages are then taken
+    # without a thread start each on the consumer's thread (issue 13's scenario 5)
+    worker_prestart_threads: bool = True
     # Celery's task events (task-sent/received/started/succeeded, as `-E` turns on): what Flower
     # and celery-exporter read. Off by default, as in Celery: with them a worker spent a third
     # more CPU per item in issue 13's scenario 5 (docs/benchmarks.md); compose turns them on

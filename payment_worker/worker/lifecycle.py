@@ -168,9 +168,40 @@ def _child_started(**_: Any) -> None:
         log.info("heap_frozen", objects=frozen)
 
 
+def prestart_threads(pool: Any) -> int | None:
+    """Start every thread of a threads pool now; returns how many threads it has, or None
+    when ``pool`` is no threads pool (or its executor has no thread to add).
+
+    Why: Python's ``ThreadPoolExecutor`` starts a thread on a submit that finds none idle,
+    and ``Thread.start`` waits until the new thread runs. Celery submits from the consumer's
+    thread, the one that takes every message, so during a burst (a fresh worker at 1 s
+    gateway latency: issue 13's scenario 5) each message waited for a thread start among
+    hundreds of busy threads. The executor's own ``_adjust_thread_count`` (private, stable
+    since Python 3.8) adds one idle thread per call without queueing any work, so no task
+    can wait behind this; the threads cost memory (about 80 KB each), not CPU."""
+    executor = getattr(pool, "executor", None)
+    adjust = getattr(executor, "_adjust_thread_count", None)
+    limit = getattr(executor, "_max_workers", None)
+    threads = getattr(executor, "_threads", None)
+    if adjust is None or not isinstance(limit, int) or threads is None:
+        return None
+    while len(threads) < limit:
+        before = len(threads)
+        adjust()
+        if len(threads) == before:  # a task ran meanwhile and left a thread idle: enough
+            break
+    return len(threads)
+
+
 def _worker_ready(sender: Any = None, **_: Any) -> None:
-    if _runs_tasks_here(getattr(sender, "pool", None)):
-        _child_started()
+    pool = getattr(sender, "pool", None)
+    if not _runs_tasks_here(pool):
+        return  # prefork: the children are ready on their own (worker_process_init)
+    if runtime.current().settings.worker_prestart_threads:
+        started = prestart_threads(pool)
+        if started is not None:
+            log.info("threads_prestarted", threads=started)
+    _child_started()
 
 
 def hand_back_on_shutdown(**_: Any) -> None:
