@@ -12,6 +12,7 @@ reached while its extra is installed always fails it (that is the code's job, se
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import time
@@ -75,6 +76,20 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def logged_events(log: Path, name: str) -> list[dict[str, object]]:
+    """The JSON log entries of event ``name`` in a process's log file (other lines, such as
+    Celery's banner, are skipped)."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == name:
+            found.append(entry)
+    return found
 
 
 def _unavailable(service: str, error: BaseException, *, url_set: bool) -> NoReturn:

@@ -4,7 +4,6 @@ SQLAlchemy (issue 13: up to 177 ms of GIL each in a loaded worker before)."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -12,19 +11,11 @@ from pathlib import Path
 import pytest
 
 from payment_worker.dev.local_cluster import LocalCluster
-from tests.conftest import PwEnv, wait_until
+from tests.conftest import PwEnv, logged_events, wait_until
 
 
 def _frozen(log: Path) -> list[int]:
-    counts = []
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and entry.get("event") == "heap_frozen":
-            counts.append(int(entry["objects"]))
-    return counts
+    return [int(str(e["objects"])) for e in logged_events(log, "heap_frozen")]
 
 
 @pytest.mark.parametrize("pool", ["threads", "prefork", "solo"])

@@ -4,26 +4,13 @@ default): a burst of messages then waits for no thread start on the consumer's t
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
 from payment_worker.dev.local_cluster import LocalCluster
-from tests.conftest import PwEnv, wait_until
-
-
-def _events(log: Path, name: str) -> list[dict[str, object]]:
-    found = []
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and entry.get("event") == name:
-            found.append(entry)
-    return found
+from tests.conftest import PwEnv, logged_events, wait_until
 
 
 def _threads(pid: int) -> int:
@@ -40,8 +27,8 @@ def _env(pool: str, **extra: str) -> dict[str, str]:
 def test_a_threads_worker_starts_every_slot_once_ready(pw_env: PwEnv, tmp_path: Path) -> None:
     with LocalCluster(workdir=tmp_path, env=_env("threads"), pool=None, concurrency=None) as c:
         worker = c.start_worker()
-        wait_until(lambda: _events(worker.log_path, "heap_frozen"), 60, "worker ready")
-        [started] = _events(worker.log_path, "threads_prestarted")
+        wait_until(lambda: logged_events(worker.log_path, "heap_frozen"), 60, "worker ready")
+        [started] = logged_events(worker.log_path, "threads_prestarted")
         assert started["threads"] == 60
         # the 60 slots, besides Celery's own threads and ours (sweeper, renewer, heartbeat)
         assert _threads(worker.pid) >= 60
@@ -51,8 +38,8 @@ def test_off_the_threads_start_with_the_tasks(pw_env: PwEnv, tmp_path: Path) -> 
     env = _env("threads", WORKER_PRESTART_THREADS="false")
     with LocalCluster(workdir=tmp_path, env=env, pool=None, concurrency=None) as c:
         worker = c.start_worker()
-        wait_until(lambda: _events(worker.log_path, "heap_frozen"), 60, "worker ready")
-        assert _events(worker.log_path, "threads_prestarted") == []
+        wait_until(lambda: logged_events(worker.log_path, "heap_frozen"), 60, "worker ready")
+        assert logged_events(worker.log_path, "threads_prestarted") == []
         assert _threads(worker.pid) < 60
 
 
@@ -61,5 +48,5 @@ def test_other_pools_start_no_threads(pw_env: PwEnv, tmp_path: Path, pool: str) 
     env = _env(pool, WORKER_CONCURRENCY="2")
     with LocalCluster(workdir=tmp_path, env=env, pool=None, concurrency=None) as c:
         worker = c.start_worker()
-        wait_until(lambda: _events(worker.log_path, "heap_frozen"), 60, "worker ready")
-        assert _events(worker.log_path, "threads_prestarted") == []
+        wait_until(lambda: logged_events(worker.log_path, "heap_frozen"), 60, "worker ready")
+        assert logged_events(worker.log_path, "threads_prestarted") == []
