@@ -31,6 +31,9 @@ latency scenarios the bound min(accounts / latency, scenario 1's rate in the sam
 every 0.2 s): whether the accounts or the intake were the limit. The task executions of
 each worker process are printed too: whether the load was shared; and the intake, the
 seconds from the first message taken until none waited in the queue.
+``PW_BENCH_LATENCY_MS`` runs the scenarios' shapes at that gateway latency instead (a
+diagnostic: scenario 4's shape at 0 ms separates its cost per account from the cost of its
+threads waiting on the gateway; the scenario's name in the table says so).
 ``--runs N`` repeats each scenario and reports the run with the median items/s (double
 payments summed over all runs). Uses DATABASE_URL / REDIS_URL when set, else the embedded
 servers; creates and drops a scratch database and flushes Redis dbs 13 and 14.
@@ -276,6 +279,10 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     if args.quick:
         sc.update(accounts=max(sc["accounts"] // 20, 2), items=min(sc["items"], 10))
         sc["batches"] = sc["accounts"] * (SCENARIOS[num]["batches"] // SCENARIOS[num]["accounts"])
+    if os.environ.get("PW_BENCH_LATENCY_MS"):
+        # a diagnostic off the scenarios: the same shape at another gateway latency
+        sc["latency_ms"] = int(os.environ["PW_BENCH_LATENCY_MS"])
+        sc["name"] += f" (run at {sc['latency_ms']} ms: PW_BENCH_LATENCY_MS)"
     db_url, r_app, r_broker = urls
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute(
@@ -515,6 +522,9 @@ def main() -> int:
     args = p.parse_args()
     if args.runs < 1 or args.workers < 1:
         p.error("--runs and --workers must be at least 1")
+    latency = os.environ.get("PW_BENCH_LATENCY_MS", "")
+    if latency and not (latency.isdigit() and int(latency) <= 60_000):
+        p.error(f"PW_BENCH_LATENCY_MS must be whole milliseconds, 0 to 60000, not {latency!r}")
     from payment_worker.ops.logging import configure_logging
     from payment_worker.settings import load_settings
 
