@@ -279,10 +279,10 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     if args.quick:
         sc.update(accounts=max(sc["accounts"] // 20, 2), items=min(sc["items"], 10))
         sc["batches"] = sc["accounts"] * (SCENARIOS[num]["batches"] // SCENARIOS[num]["accounts"])
-    if os.environ.get("PW_BENCH_LATENCY_MS"):
+    if args.latency_ms is not None:
         # a diagnostic off the scenarios: the same shape at another gateway latency
-        sc["latency_ms"] = int(os.environ["PW_BENCH_LATENCY_MS"])
-        sc["name"] += f" (run at {sc['latency_ms']} ms: PW_BENCH_LATENCY_MS)"
+        sc["latency_ms"] = args.latency_ms
+        sc["name"] += f" (run at {args.latency_ms} ms: PW_BENCH_LATENCY_MS)"
     db_url, r_app, r_broker = urls
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute(
@@ -525,6 +525,7 @@ def main() -> int:
     latency = os.environ.get("PW_BENCH_LATENCY_MS", "")
     if latency and not (latency.isdigit() and int(latency) <= 60_000):
         p.error(f"PW_BENCH_LATENCY_MS must be whole milliseconds, 0 to 60000, not {latency!r}")
+    args.latency_ms = int(latency) if latency else None  # read once, here
     from payment_worker.ops.logging import configure_logging
     from payment_worker.settings import load_settings
 
