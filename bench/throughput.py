@@ -16,8 +16,15 @@ default (INFO) unless ``PW_BENCH_LOG_LEVEL`` sets it.
 
 The whole load is saved and published (as ``submit_batch`` publishes: the account marked
 queued) before the workers start, so a publisher sharing the two cores decides nothing.
-Per scenario: items/s (first message a worker takes to last terminal item); accounts in
-flight at once
+With ``--start ready`` (the default) the workers boot consuming only ``dlq``; once every
+one answers Celery's ping, all of them add the payments queue at once (one
+``add_consumer`` broadcast, and each consumer's ``BRPOP`` still waiting on ``dlq`` alone
+ended as a timeout), and the clock starts then: no worker's boot shares the timed cores,
+and none takes the load alone while another boots. ``--start boot`` is the method of the
+fifteenth session and before: the workers consume payments from their start, timed from
+the first message taken, while the later ones may still boot.
+Per scenario: items/s (from the load's release, or with ``--start boot`` the first message
+a worker takes, to the last terminal item); accounts in flight at once
 (distinct accounts with a request of any endpoint in progress at the simulator, its exact
 peak and the median of samples taken every 0.2 s while items were open); RSS and threads
 per worker process (peak, a prefork worker counted with its children); Postgres
@@ -30,7 +37,7 @@ latency scenarios the bound min(accounts / latency, scenario 1's rate in the sam
 ``PW_BENCH_SERIES=1`` also prints each run's samples (messages waiting / accounts in flight,
 every 0.2 s): whether the accounts or the intake were the limit. The task executions of
 each worker process are printed too: whether the load was shared; and the intake, the
-seconds from the first message taken until none waited in the queue.
+seconds from the clock's start until none waited in the queue.
 ``PW_BENCH_LATENCY_MS`` runs the scenarios' shapes at that gateway latency instead (a
 diagnostic: scenario 4's shape at 0 ms separates its cost per account from the cost of its
 threads waiting on the gateway; the scenario's name in the table says so).
@@ -64,6 +71,7 @@ SCENARIOS: dict[int, dict[str, Any]] = {
     4: {"name": "100 ms latency", "accounts": 400, "batches": 400, "items": 20, "latency_ms": 100},
     5: {"name": "1 s latency", "accounts": 2000, "batches": 2000, "items": 5, "latency_ms": 1000},
 }
+QUEUE = "payments"  # kombu's Redis list of the queue
 APP_NAME = "pw-bench-w"  # PGAPPNAME prefix of the workers' connections
 APP_PREFIX = "payment-worker:"  # or the service's own application_name, payment-worker:<pid>@host
 
@@ -227,7 +235,7 @@ class Sampler(threading.Thread):
                     self.in_flight.append(int(got["now"]))
                 except httpx.HTTPError:
                     pass
-                self.queued.append(int(self.broker.llen("payments")))
+                self.queued.append(int(self.broker.llen(QUEUE)))
                 self.redis_calls += 1
                 rows = conn.execute(
                     "SELECT application_name, count(*) FROM pg_stat_activity "
@@ -243,6 +251,45 @@ class Sampler(threading.Thread):
     def stop(self) -> None:
         self.stop_event.set()
         self.join(timeout=10)
+
+
+def _wait_consuming(workers: int, timeout: float = 120.0) -> list[str]:
+    """Until ``workers`` workers answer Celery's ping (each one's consumer runs, so its boot
+    is over); their names."""
+    from payment_worker.worker.celery_app import app
+
+    deadline = time.monotonic() + timeout
+    while True:
+        names = [name for reply in app.control.ping(timeout=0.5) or [] for name in reply]
+        if len(names) >= workers:
+            return names
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{len(names)} of {workers} workers answered a ping in {timeout:.0f}s")
+
+
+def _consume_payments(names: list[str], broker: Any) -> int:
+    """Every worker of ``names`` starts consuming the payments queue (one broadcast), at
+    once: each consumer's ``BRPOP`` in progress (on dlq alone, for up to kombu's 1 s) is
+    ended as a timeout, so the next one, issued at once, names payments too. Returns how
+    many were ended."""
+    from payment_worker.worker.celery_app import app
+
+    # no reply waited for (collecting them takes about half a second, meanwhile a consumer
+    # may begin on its own): each worker handles the broadcast within milliseconds, idle as
+    # it is, and every blocked BRPOP is ended until 50 ms after the first message is taken
+    app.control.add_consumer(QUEUE, destination=names, reply=False)
+    ended = 0
+    waiting = broker.llen(QUEUE)
+    deadline = time.monotonic() + 2.0
+    began: float | None = None
+    while time.monotonic() < deadline and (began is None or time.monotonic() < began + 0.05):
+        for client in broker.client_list():
+            if client.get("cmd") == "brpop" and "b" in client.get("flags", ""):
+                ended += broker.client_unblock(client["id"], error=False)
+        if began is None and broker.llen(QUEUE) < waiting:
+            began = time.monotonic()
+        time.sleep(0.002)
+    return ended
 
 
 def _wait_ready(ports: list[int], timeout: float = 60.0) -> None:
@@ -326,16 +373,30 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 ports.append(port)
                 cluster.env["METRICS_PORT"] = str(port)
                 cluster.env["PGAPPNAME"] = f"{APP_NAME}{i + 1}"  # libpq's application_name
-                cluster.start_worker()
-            # timed from the first message a worker takes (its boot is not processing)
-            boot_deadline = time.monotonic() + 120
-            while broker.llen("payments") >= len(batches):
-                if time.monotonic() > boot_deadline:
-                    raise SystemExit(f"scenario {num}: no worker took a message in 120 s")
-                time.sleep(0.002)
-            t0 = time.monotonic()
-            servers = server_pids(db_url, r_app)
-            cpu0 = _cpu_by_component(cluster, servers)
+                # ready: the payments queue is added once every worker has booted
+                cluster.start_worker(queues="dlq" if args.start == "ready" else "payments,dlq")
+            if args.start == "ready":
+                # every worker answers a ping once its consumer runs (its boot is over: the
+                # imports, the threads started, the heap frozen); then all of them start on
+                # the waiting load together, and the clock starts
+                names = _wait_consuming(args.workers)
+                x0, by0 = _xacts(conn), _redis_by_command(r)
+                c0 = sum(by0.values())
+                servers = server_pids(db_url, r_app)
+                cpu0 = _cpu_by_component(cluster, servers)
+                t0 = time.monotonic()
+                _consume_payments(names, broker)
+            else:
+                # timed from the first message a worker takes (its boot is not processing,
+                # but the other workers' boot may still run)
+                boot_deadline = time.monotonic() + 120
+                while broker.llen(QUEUE) >= len(batches):
+                    if time.monotonic() > boot_deadline:
+                        raise SystemExit(f"scenario {num}: no worker took a message in 120 s")
+                    time.sleep(0.002)
+                t0 = time.monotonic()
+                servers = server_pids(db_url, r_app)
+                cpu0 = _cpu_by_component(cluster, servers)
             sampler = Sampler(cluster, with_path(db_url, "/postgres"), broker)
             sampler.start()
             polls = 0
@@ -490,7 +551,7 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
         + ". Seconds to enqueue every batch, and messages waiting in the queue (median of "
         + "samples): "
         + "; ".join(f"{r['num']}: {r['enqueue_s']:.1f} s, {r['queued_median']:,.0f}" for r in rows)
-        + ". Seconds from the first message taken until none waited (0.2 s samples): "
+        + ". Seconds from the clock's start until none waited (0.2 s samples): "
         + "; ".join(
             f"{r['num']}: " + ("-" if r["intake_s"] is None else f"{r['intake_s']:.1f} s")
             for r in rows
@@ -515,6 +576,15 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="worker processes")
     p.add_argument("--rate", type=float, default=100.0, help="per-account quota, both sides")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario run")
+    p.add_argument(
+        "--start",
+        choices=["ready", "boot"],
+        default="ready",
+        help="ready (default): the workers boot consuming only dlq, and once every one "
+        "answers a ping all add the payments queue at once; timed from then. boot: they "
+        "consume payments from their start, timed from the first message taken while the "
+        "others may still boot (the fifteenth session's and earlier figures)",
+    )
     p.add_argument("--quick", action="store_true", help="small shapes (smoke)")
     p.add_argument(
         "--commands", action="store_true", help="also print Redis commands per item by command"
@@ -542,7 +612,12 @@ def main() -> int:
         f"# {args.workers} x `{command}` → pool {pool}, concurrency {slots} "
         + (f"(departs from the defaults: {', '.join(departs)})" if departs else "(the defaults)")
         + f"; quota {args.rate:g}/s per account in the simulator and GATEWAY_RATE_PER_SECOND; "
-        + f"DB_POOL_SIZE {getattr(s, 'db_pool_size', 'n/a (not a setting in this tree)')}"
+        + f"DB_POOL_SIZE {getattr(s, 'db_pool_size', 'n/a (not a setting in this tree)')}; "
+        + (
+            "timed from the load's release to every worker at once (--start ready)"
+            if args.start == "ready"
+            else "timed from the first message taken, workers may still boot (--start boot)"
+        )
     )
     by_num: dict[int, list[dict[str, Any]]] = {}
     with scratch() as urls:

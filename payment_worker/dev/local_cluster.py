@@ -162,10 +162,15 @@ class LocalCluster:
 
     # --- celery -------------------------------------------------------------------------
     def start_worker(
-        self, concurrency: int | None = None, extra: Sequence[str] = ()
+        self,
+        concurrency: int | None = None,
+        extra: Sequence[str] = (),
+        queues: str = "payments,dlq",
     ) -> ManagedProcess:
         """Start one ``celery -A payment_worker worker`` process; ``extra``: more of
-        Celery's worker options (e.g. ``-I module``, a benchmark's task)."""
+        Celery's worker options (e.g. ``-I module``, a benchmark's task); ``queues``: what
+        it consumes from the start (a benchmark adds ``payments`` later, to every worker at
+        once, with Celery's ``add_consumer``)."""
         self._counter += 1
         name = f"worker{self._counter}"
         slots = concurrency or self.concurrency
@@ -177,7 +182,7 @@ class LocalCluster:
             "payment_worker",
             "worker",
             "-Q",
-            "payments,dlq",
+            queues,
             *(["-P", self.pool] if self.pool else []),
             *(["-c", str(slots)] if slots else []),
             "-n",
