@@ -270,26 +270,31 @@ def _wait_consuming(workers: int, timeout: float = 120.0) -> list[str]:
 def _consume_payments(names: list[str], broker: Any) -> int:
     """Every worker of ``names`` starts consuming the payments queue (one broadcast), at
     once: each consumer's ``BRPOP`` in progress (on dlq alone, for up to kombu's 1 s) is
-    ended as a timeout, so the next one, issued at once, names payments too. Returns how
-    many were ended."""
+    ended as a timeout, so the next one, issued at once, names payments too. Returns the
+    Redis commands this sent besides the broadcast's own few (taken off the count per
+    item, as the sampler's are)."""
     from payment_worker.worker.celery_app import app
 
     # no reply waited for (collecting them takes about half a second, meanwhile a consumer
     # may begin on its own): each worker handles the broadcast within milliseconds, idle as
     # it is, and every blocked BRPOP is ended until 50 ms after the first message is taken
     app.control.add_consumer(QUEUE, destination=names, reply=False)
-    ended = 0
     waiting = broker.llen(QUEUE)
+    sent = 1
     deadline = time.monotonic() + 2.0
     began: float | None = None
     while time.monotonic() < deadline and (began is None or time.monotonic() < began + 0.05):
         for client in broker.client_list():
             if client.get("cmd") == "brpop" and "b" in client.get("flags", ""):
-                ended += broker.client_unblock(client["id"], error=False)
-        if began is None and broker.llen(QUEUE) < waiting:
-            began = time.monotonic()
+                broker.client_unblock(client["id"], error=False)
+                sent += 1
+        sent += 1
+        if began is None:
+            sent += 1
+            if broker.llen(QUEUE) < waiting:
+                began = time.monotonic()
         time.sleep(0.002)
-    return ended
+    return sent
 
 
 def _wait_ready(ports: list[int], timeout: float = 60.0) -> None:
@@ -368,6 +373,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         with psycopg.connect(db_url, autocommit=True) as conn:
             x0, by0 = _xacts(conn), _redis_by_command(r)
             c0 = sum(by0.values())
+            own = 0  # the bench's own Redis commands inside the window
             for i in range(args.workers):
                 port = free_port()
                 ports.append(port)
@@ -385,7 +391,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 servers = server_pids(db_url, r_app)
                 cpu0 = _cpu_by_component(cluster, servers)
                 t0 = time.monotonic()
-                _consume_payments(names, broker)
+                own = _consume_payments(names, broker)
             else:
                 # timed from the first message a worker takes (its boot is not processing,
                 # but the other workers' boot may still run)
@@ -423,7 +429,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 pairs = zip(sampler.queued, sampler.in_flight, strict=False)
                 print(f"# series {num}: " + " ".join(f"{q}/{f}" for q, f in pairs), flush=True)
             by1 = _redis_by_command(r)
-            c1 = sum(by1.values()) - sampler.redis_calls - 1
+            c1 = sum(by1.values()) - sampler.redis_calls - own - 1
             servers = server_pids(db_url, r_app)  # backends started during the run included
             cpu1 = _cpu_by_component(cluster, servers)
             time.sleep(1.2)  # PostgreSQL publishes backend statistics at most once a second
