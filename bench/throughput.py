@@ -71,7 +71,6 @@ SCENARIOS: dict[int, dict[str, Any]] = {
     4: {"name": "100 ms latency", "accounts": 400, "batches": 400, "items": 20, "latency_ms": 100},
     5: {"name": "1 s latency", "accounts": 2000, "batches": 2000, "items": 5, "latency_ms": 1000},
 }
-QUEUE = "payments"  # kombu's Redis list of the queue
 APP_NAME = "pw-bench-w"  # PGAPPNAME prefix of the workers' connections
 APP_PREFIX = "payment-worker:"  # or the service's own application_name, payment-worker:<pid>@host
 
@@ -228,6 +227,8 @@ class Sampler(threading.Thread):
         import httpx
         import psycopg
 
+        from payment_worker.worker.queueing import PAYMENTS_QUEUE
+
         with psycopg.connect(self.admin_url, autocommit=True) as conn, httpx.Client() as http:
             while not self.stop_event.wait(self.interval):
                 try:
@@ -235,7 +236,7 @@ class Sampler(threading.Thread):
                     self.in_flight.append(int(got["now"]))
                 except httpx.HTTPError:
                     pass
-                self.queued.append(int(self.broker.llen(QUEUE)))
+                self.queued.append(int(self.broker.llen(PAYMENTS_QUEUE)))
                 self.redis_calls += 1
                 rows = conn.execute(
                     "SELECT application_name, count(*) FROM pg_stat_activity "
@@ -274,24 +275,28 @@ def _consume_payments(names: list[str], broker: Any) -> int:
     Redis commands this sent besides the broadcast's own few (taken off the count per
     item, as the sampler's are)."""
     from payment_worker.worker.celery_app import app
+    from payment_worker.worker.queueing import PAYMENTS_QUEUE
 
     # no reply waited for (collecting them takes about half a second, meanwhile a consumer
     # may begin on its own): each worker handles the broadcast within milliseconds, idle as
     # it is, and every blocked BRPOP is ended until 50 ms after the first message is taken
-    app.control.add_consumer(QUEUE, destination=names, reply=False)
-    waiting = broker.llen(QUEUE)
+    app.control.add_consumer(PAYMENTS_QUEUE, destination=names, reply=False)
+    waiting = broker.llen(PAYMENTS_QUEUE)
     sent = 1
     deadline = time.monotonic() + 2.0
     began: float | None = None
     while time.monotonic() < deadline and (began is None or time.monotonic() < began + 0.05):
-        for client in broker.client_list():
-            if client.get("cmd") == "brpop" and "b" in client.get("flags", ""):
-                broker.client_unblock(client["id"], error=False)
-                sent += 1
-        sent += 1
+        blocked = [
+            c["id"]
+            for c in broker.client_list()
+            if c.get("cmd") == "brpop" and "b" in c.get("flags", "")
+        ]
+        for client_id in blocked:
+            broker.client_unblock(client_id, error=False)
+        sent += 1 + len(blocked)
         if began is None:
             sent += 1
-            if broker.llen(QUEUE) < waiting:
+            if broker.llen(PAYMENTS_QUEUE) < waiting:
                 began = time.monotonic()
         time.sleep(0.002)
     return sent
@@ -326,6 +331,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     from payment_worker.dev.local_cluster import LocalCluster, free_port
     from payment_worker.dev.samples import make_batches
     from payment_worker.producer.submit import submit_batch
+    from payment_worker.worker.queueing import PAYMENTS_QUEUE
 
     sc = dict(SCENARIOS[num])
     if args.quick:
@@ -371,8 +377,9 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     ) as cluster:
         cluster.start_simulator(rate=args.rate, latency_ms=sc["latency_ms"])
         with psycopg.connect(db_url, autocommit=True) as conn:
-            x0, by0 = _xacts(conn), _redis_by_command(r)
-            c0 = sum(by0.values())
+            if args.start == "boot":
+                # counted from before the workers start, their boot included (as before)
+                x0, by0 = _xacts(conn), _redis_by_command(r)
             own = 0  # the bench's own Redis commands inside the window
             for i in range(args.workers):
                 port = free_port()
@@ -387,7 +394,6 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 # the waiting load together, and the clock starts
                 names = _wait_consuming(args.workers)
                 x0, by0 = _xacts(conn), _redis_by_command(r)
-                c0 = sum(by0.values())
                 servers = server_pids(db_url, r_app)
                 cpu0 = _cpu_by_component(cluster, servers)
                 t0 = time.monotonic()
@@ -396,13 +402,14 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 # timed from the first message a worker takes (its boot is not processing,
                 # but the other workers' boot may still run)
                 boot_deadline = time.monotonic() + 120
-                while broker.llen(QUEUE) >= len(batches):
+                while broker.llen(PAYMENTS_QUEUE) >= len(batches):
                     if time.monotonic() > boot_deadline:
                         raise SystemExit(f"scenario {num}: no worker took a message in 120 s")
                     time.sleep(0.002)
                 t0 = time.monotonic()
                 servers = server_pids(db_url, r_app)
                 cpu0 = _cpu_by_component(cluster, servers)
+            c0 = sum(by0.values())
             sampler = Sampler(cluster, with_path(db_url, "/postgres"), broker)
             sampler.start()
             polls = 0
