@@ -192,6 +192,10 @@ class Settings(BaseSettings):
     # and celery-exporter read. Off by default, as in Celery: with them a worker spent a third
     # more CPU per item in issue 13's scenario 5 (docs/benchmarks.md); compose turns them on
     worker_task_events: bool = False
+    # messages the Redis broker transport takes per wake-up (BRPOP's own included), each
+    # recorded unacked in the same script; 1: kombu's one message per round trip. Never more
+    # than the free prefetch slots (worker/broker_transport.py, docs/configuration.md)
+    broker_take_batch: int = Field(32, ge=1, le=1000)
     visibility_timeout: int = Field(3600, gt=0)
     task_soft_time_limit: int = Field(1500, gt=0)
     task_time_limit: int = Field(1800, gt=0)

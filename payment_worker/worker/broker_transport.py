@@ -1,4 +1,5 @@
-"""kombu's Redis transport with one reused client per channel (``redis://`` brokers only).
+"""kombu's Redis transport with one reused client per channel and messages taken in blocks
+(``redis://`` brokers only).
 
 kombu's Redis channel builds a new ``redis.Redis`` object for each bookkeeping call: the
 unacked record of every delivered message, every ack, every publish. With redis-py 8 one
@@ -7,23 +8,70 @@ and in a threads worker those calls run on the single consumer thread that takes
 message, so they bound how fast accounts start (issue 13, docs/benchmarks.md). A
 ``redis.Redis`` over a connection pool is thread-safe for single commands, and each
 pipeline is still its own object, so the channel keeps one client over its own pool.
-Nothing else of kombu's transport changes: the same pool, commands, acks and restores.
+
+kombu also spends two round trips on every message it delivers: its ``BRPOP``, then the
+unacked record (a pipeline). On that same consumer thread, among hundreds of task threads,
+each round trip waited about 4 ms for the GIL and Redis, so a worker took one message every
+5 to 6 ms and 400 accounts needed over a second to start (issue 13). The channel here keeps
+kombu's ``BRPOP`` as the wake-up and, in one script (``broker_take.lua``), records that
+message as kombu would and pops more, up to ``take_batch`` in all and never past the free
+prefetch slots, recording each in the same step: a popped message is never out of the
+queue without its unacked record (the ``BRPOP``'s own keeps kombu's short window until the
+script has run). The records are kombu's, byte for byte, so acks, rejects,
+``restore_unacked`` and the visibility-timeout restore are kombu's.
+Everything else of kombu's transport is unchanged.
 """
 
 from __future__ import annotations
 
+from queue import Empty
+from time import time
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+
+from payment_worker import lua
 
 #: kombu's "module:Class" name of the transport, for Celery's ``broker_transport``
 TRANSPORT = f"{__name__}:Transport"
 
+#: most messages one wake-up takes, BRPOP's included (transport option ``take_batch``);
+#: 1 is kombu's one message per round trip
+DEFAULT_TAKE_BATCH = 32
+
+_TAKE = lua.load("broker_take")
+
+
+class QoS(kombu_redis.QoS):  # type: ignore[misc]
+    """kombu's ack emulation; a message the take script already recorded is not written again."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: delivery tags recorded in Redis by the take script, not yet delivered
+        self.prerecorded: set[str] = set()
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        if delivery_tag in self.prerecorded:
+            self.prerecorded.discard(delivery_tag)
+            virtual.QoS.append(self, message, delivery_tag)  # the process's own bookkeeping
+        else:
+            super().append(message, delivery_tag)
+
 
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
-    """kombu's channel; its synchronous client is built once per pool, not once per call."""
+    """kombu's channel; its synchronous client is built once per pool, not once per call,
+    and each ``BRPOP`` reply brings up to ``take_batch`` messages in one more round trip."""
+
+    QoS = QoS
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, "take_batch")
+    take_batch = DEFAULT_TAKE_BATCH
 
     _reused_client: Any = None
+    _take_script: Any = None
+    _no_ack_queues: frozenset[str] = frozenset()
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:
@@ -33,6 +81,96 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         if client is None or client.connection_pool is not self.pool:
             client = self._reused_client = super()._create_client()
         return client
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        # a no-ack consumer never acks: a record written for its message would only be
+        # restored, a second delivery, after the visibility timeout
+        if no_ack:
+            self._no_ack_queues = self._no_ack_queues | {queue}
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        if self.take_batch <= 1 or self.global_keyprefix or self._no_ack_queues:
+            return bool(super()._brpop_read(**options))
+        try:
+            try:
+                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                # kombu's rule: disconnect, so the next iteration reconnects
+                self.client.connection.disconnect()
+                raise
+            if not dest__item:
+                raise Empty()
+            key, item = dest__item
+            self._deliver_taken(bytes_to_str(key), bytes_to_str(item))
+            return True
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+
+    def _deliver_taken(self, key: str, item: str) -> None:
+        """Record BRPOP's message and take more in one script, then deliver them in order."""
+        first = loads(item)
+        tag, record = _record_of(first)
+        limit = self.qos.can_consume_max_estimate()  # None: no prefetch limit
+        more = self.take_batch - 1 if limit is None else min(self.take_batch, limit) - 1
+        keys = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in self.active_queues]
+        with self.conn_or_acquire() as client:
+            if self._take_script is None:
+                self._take_script = client.register_script(_TAKE)
+            reply = self._take_script(
+                keys=[self.unacked_key, self.unacked_index_key, *keys],
+                args=[time(), max(more, 0), tag or "", record],
+                client=client,
+            )
+        prerecorded = self.qos.prerecorded
+        if tag:
+            prerecorded.add(tag)
+        taken: list[tuple[str, Any]] = [(key, first)]
+        for i in range(0, len(reply), 3):
+            index, recorded, raw = reply[i : i + 3]
+            message = loads(bytes_to_str(raw))
+            if recorded:
+                prerecorded.add(message["properties"]["delivery_tag"])
+            taken.append((keys[int(index) - 1], message))
+        delivered = 0
+        try:
+            for key_name, message in taken:
+                dest = key_name.rsplit(self.sep, 1)[0]
+                self._queue_cycle.rotate(dest)
+                self.connection._deliver(message, dest)
+                delivered += 1
+        finally:
+            if delivered < len(taken):
+                # a delivery raised (a shutdown, a lost connection): the messages not
+                # handed over go back now, not after the visibility timeout
+                self._restore_taken([m for _k, m in taken[delivered:]])
+
+    def _restore_taken(self, messages: list[Any]) -> None:
+        """Put back, at the head of their queues and in their order, those of ``messages``
+        whose record the take script wrote and that kombu never took over (those it did are
+        in its own bookkeeping, restored by its rules)."""
+        for message in reversed(messages):
+            tag = message.get("properties", {}).get("delivery_tag")
+            if tag not in self.qos.prerecorded:
+                continue
+            self.qos.prerecorded.discard(tag)
+            try:
+                self.qos.restore_by_tag(tag)
+            except Exception:  # the broker is gone: the visibility timeout restores it
+                kombu_redis.logger.warning("could not restore message %s", tag, exc_info=True)
+
+
+def _record_of(message: Any) -> tuple[str | None, str]:
+    """The delivery tag of ``message`` and kombu's unacked record of it (``[message, exchange,
+    routing_key]``, as ``kombu.transport.redis.QoS.append`` writes it); (None, '') for a
+    message without them, which kombu's own path then records."""
+    props = message.get("properties") if isinstance(message, dict) else None
+    tag = props.get("delivery_tag") if isinstance(props, dict) else None
+    info = props.get("delivery_info") if isinstance(props, dict) else None
+    if not isinstance(tag, str) or not isinstance(info, dict):
+        return None, ""
+    return tag, dumps([message, info.get("exchange"), info.get("routing_key")])
 
 
 class Transport(kombu_redis.Transport):  # type: ignore[misc]

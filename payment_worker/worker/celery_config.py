@@ -54,6 +54,8 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
             "socket_timeout": 10,
             "socket_connect_timeout": 5,
             "health_check_interval": 10,
+            # messages taken per wake-up, BRPOP's included (worker/broker_transport.py)
+            "take_batch": s.broker_take_batch,
         },
         "result_backend_transport_options": {"visibility_timeout": s.visibility_timeout},
         # Hard limits below the visibility timeout: a stuck task is killed (and its message rejected

@@ -1,14 +1,20 @@
 """kombu's Redis transport with a reused client (payment_worker.worker.broker_transport)
 against the real broker Redis: messages published, delivered, acked and restored as with
 kombu's own; one client per channel pool, not one per call; a closed channel's successor
-gets a client of its own pool."""
+gets a client of its own pool; messages taken in blocks, each recorded (in kombu's format)
+before it is handed over, the prefetch limit kept, a block's rest put back when a delivery
+raises, no-ack consumers left to kombu."""
 
 from __future__ import annotations
 
+import base64
 import threading
+import time
 
+import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.utils.json import loads
 
 from payment_worker.worker.broker_transport import TRANSPORT, Channel
 from payment_worker.worker.celery_app import app
@@ -81,3 +87,164 @@ def test_a_reopened_pool_gets_its_own_client(pw_env: PwEnv) -> None:
         assert second is not first
         assert second.connection_pool is channel.pool
         assert second.ping()
+
+
+# --- messages taken in blocks (take_batch) ------------------------------------------------
+
+
+def _publish(conn: Connection, n: int) -> None:
+    channel = conn.channel()
+    _Q(channel).declare()
+    producer = Producer(channel, exchange=_Q.exchange, routing_key=_Q.routing_key)
+    for i in range(n):
+        producer.publish({"i": i})
+    channel.close()
+
+
+def _queued(url: str) -> list[int]:
+    """The bodies' numbers in the order the next pops would take them (BRPOP pops the tail)."""
+    raw = redis.Redis.from_url(url).lrange("pw-transport-test", 0, -1)
+    return [loads(_body(r))["i"] for r in reversed(raw)]
+
+
+def _body(raw: bytes) -> str:
+    payload = loads(raw)
+    body: str = payload["body"]
+    if payload["properties"].get("body_encoding") == "base64":
+        body = base64.b64decode(body).decode()
+    return body
+
+
+def _drain_rounds(conn: Connection, got: list[int]) -> list[int]:
+    """Messages delivered per ``drain_events`` call (one BRPOP reply each), until none is left."""
+    rounds = []
+    while True:
+        before = len(got)
+        try:
+            conn.drain_events(timeout=0.5)
+        except TimeoutError:
+            return rounds
+        rounds.append(len(got) - before)
+
+
+def test_one_wake_up_takes_a_block_each_recorded_before_it_is_handed_over(
+    pw_env: PwEnv,
+) -> None:
+    url = pw_env.broker_url
+    r = redis.Redis.from_url(url)
+    with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 8}) as conn:
+        _publish(conn, 20)
+        got: list[int] = []
+        recorded_before: list[bool] = []
+
+        def on_message(body: dict[str, int], message: object) -> None:
+            tag = message.delivery_tag  # type: ignore[attr-defined]
+            # kombu's own record, in its own format, before the task sees the message
+            record = r.hget("unacked", tag)
+            recorded_before.append(
+                record is not None
+                and loads(record)[1:] == ["pw-transport-test", "pw-transport-test"]
+                and loads(record)[0]["properties"]["delivery_tag"] == tag
+                and r.zscore("unacked_index", tag) is not None
+            )
+            got.append(body["i"])
+            message.ack()  # type: ignore[attr-defined]
+
+        with Consumer(conn.channel(), [_Q], callbacks=[on_message]):
+            rounds = _drain_rounds(conn, got)
+    assert rounds == [8, 8, 4]
+    assert got == list(range(20))  # in the queue's order
+    assert all(recorded_before)
+    assert _unacked(url) == 0 and r.zcard("unacked_index") == 0
+
+
+def test_take_batch_1_is_kombus_one_message_per_wake_up(pw_env: PwEnv) -> None:
+    url = pw_env.broker_url
+    with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 1}) as conn:
+        _publish(conn, 5)
+        got: list[int] = []
+
+        def on_message(body: dict[str, int], message: object) -> None:
+            got.append(body["i"])
+            message.ack()  # type: ignore[attr-defined]
+
+        with Consumer(conn.channel(), [_Q], callbacks=[on_message]):
+            assert _drain_rounds(conn, got) == [1, 1, 1, 1, 1]
+    assert got == list(range(5))
+
+
+def test_a_block_never_exceeds_the_free_prefetch_slots(pw_env: PwEnv) -> None:
+    url = pw_env.broker_url
+    with Connection(url, transport=TRANSPORT) as conn:  # take_batch 32, the default
+        _publish(conn, 20)
+        held: list[object] = []
+        got: list[int] = []
+
+        def on_message(body: dict[str, int], message: object) -> None:
+            got.append(body["i"])
+            held.append(message)
+
+        with Consumer(conn.channel(), [_Q], callbacks=[on_message], prefetch_count=5):
+            assert _drain_rounds(conn, got) == [5]
+            assert _unacked(url) == 5 and len(_queued(url)) == 15
+            for m in held[:3]:
+                m.ack()  # type: ignore[attr-defined]
+            assert _drain_rounds(conn, got) == [3]
+    assert got == list(range(8))
+
+
+def test_a_delivery_that_raises_puts_the_rest_of_its_block_back_in_order(
+    pw_env: PwEnv,
+) -> None:
+    url = pw_env.broker_url
+    with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 10}) as conn:
+        _publish(conn, 12)
+        got: list[int] = []
+
+        def on_message(body: dict[str, int], message: object) -> None:
+            got.append(body["i"])
+            if body["i"] == 2:
+                raise KeyboardInterrupt  # what a shutdown signal does mid-block
+
+        channel = conn.channel()
+        with Consumer(channel, [_Q], callbacks=[on_message]):
+            with pytest.raises(KeyboardInterrupt):
+                conn.drain_events(timeout=2)
+            # 3 handed over (kombu's bookkeeping has them); 7 put back at the head, in order,
+            # ahead of the 2 never taken
+            assert got == [0, 1, 2]
+            assert _queued(url) == [3, 4, 5, 6, 7, 8, 9, 10, 11]
+            assert _unacked(url) == 3
+            channel.close()  # kombu restores its 3
+    assert sorted(_queued(url)) == list(range(12))
+    assert _unacked(url) == 0
+
+
+def test_records_of_a_block_are_restored_by_kombus_visibility_timeout(pw_env: PwEnv) -> None:
+    url = pw_env.broker_url
+    opts = {"take_batch": 10, "visibility_timeout": 1}
+    with Connection(url, transport=TRANSPORT, transport_options=opts) as conn:
+        _publish(conn, 6)
+        got: list[int] = []
+        channel = conn.channel()
+        consumer = Consumer(channel, [_Q], callbacks=[lambda body, message: got.append(body["i"])])
+        consumer.consume()
+        assert _drain_rounds(conn, got) == [6]
+        assert _unacked(url) == 6 and _queued(url) == []
+        time.sleep(1.2)
+        channel.qos.restore_visible(num=100, interval=1)  # what kombu's poller runs
+        assert sorted(_queued(url)) == list(range(6))
+        assert _unacked(url) == 0
+
+
+def test_a_no_ack_consumer_is_left_to_kombu(pw_env: PwEnv) -> None:
+    url = pw_env.broker_url
+    with Connection(url, transport=TRANSPORT) as conn:
+        _publish(conn, 4)
+        got: list[int] = []
+        with Consumer(
+            conn.channel(), [_Q], callbacks=[lambda b, m: got.append(b["i"])], no_ack=True
+        ):
+            assert _drain_rounds(conn, got) == [1, 1, 1, 1]
+        assert _unacked(url) == 0  # nothing recorded that no ack would ever remove
+    assert got == list(range(4))

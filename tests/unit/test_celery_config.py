@@ -178,3 +178,9 @@ def test_a_plain_redis_broker_gets_the_reused_client_transport() -> None:
     assert build_config(Settings(redis_url=BROKER), BROKER)["broker_transport"] == TRANSPORT
     for url in ("rediss://127.0.0.1:1/0", "amqp://guest@127.0.0.1//", "sentinel://127.0.0.1:1"):
         assert build_config(Settings(redis_url=BROKER), url)["broker_transport"] is None
+
+
+def test_the_broker_takes_messages_in_blocks_of_broker_take_batch() -> None:
+    assert build_config(Settings(), "redis://x/0")["broker_transport_options"]["take_batch"] == 32
+    one = build_config(Settings(broker_take_batch=1), "redis://x/0")
+    assert one["broker_transport_options"]["take_batch"] == 1  # kombu's own behaviour

@@ -33,6 +33,7 @@ def code(text: str) -> str:
 
 def test_the_scripts_are_there() -> None:
     assert SCRIPTS == [
+        "broker_take",
         "lock_cancel",
         "lock_release",
         "lock_renew",
