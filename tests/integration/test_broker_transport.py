@@ -30,6 +30,8 @@ def _unacked(url: str) -> int:
 def test_the_workers_celery_uses_it_for_a_redis_broker(pw_env: PwEnv) -> None:
     with app.connection_for_write() as conn:
         assert isinstance(conn.default_channel, Channel)
+        # BROKER_TAKE_BATCH reaches the channel through Celery's transport options
+        assert conn.default_channel.take_batch == pw_env.settings.broker_take_batch == 32
 
 
 def test_publish_consume_ack_and_restore_with_one_client(pw_env: PwEnv) -> None:
