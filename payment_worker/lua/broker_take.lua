@@ -8,16 +8,15 @@
 -- KEYS[3..] the queues' lists, in BRPOP's order (the first non-empty one is popped, as BRPOP)
 -- ARGV[1]  the delivery time, the client's clock in seconds (the score kombu gives)
 -- ARGV[2]  how many more messages to pop (0: only record the first)
--- ARGV[3]  the first message's delivery tag ('' when it has none: nothing is recorded)
--- ARGV[4]  the first message's record, as kombu writes it
+-- ARGV[3]  the message BRPOP returned, as it came
 --
--- Returns a flat list of (queue key index, recorded 1/0, message) per popped message. A
--- message without a readable delivery tag is returned unrecorded: kombu's own path records it.
-if ARGV[3] ~= '' then
-  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[3])
-  redis.call('HSET', KEYS[1], ARGV[3], ARGV[4])
-end
-local out = {}
+-- Returns 1/0 (the first message recorded or not), then a flat list of (queue key index,
+-- recorded 1/0, message) per popped message. A message without a readable delivery tag is
+-- left unrecorded: kombu's own path records it (lib/unacked_record).
+
+-- #include unacked_record
+
+local out = {unacked_record(ARGV[3], KEYS[1], KEYS[2], ARGV[1])}
 local wanted = tonumber(ARGV[2])
 local k = 3
 while wanted > 0 and k <= #KEYS do
@@ -26,23 +25,8 @@ while wanted > 0 and k <= #KEYS do
     k = k + 1
   else
     wanted = wanted - 1
-    local ok, m = pcall(cjson.decode, item)
-    local p = ok and type(m) == 'table' and m.properties or nil
-    local tag = type(p) == 'table' and p.delivery_tag or nil
-    local info = type(p) == 'table' and p.delivery_info or nil
-    if type(tag) == 'string' and type(info) == 'table' then
-      -- kombu's record is the JSON list [message, exchange, routing_key]: the message is
-      -- kept byte for byte (a decode and encode could change it), the two names encoded
-      local record = '[' .. item .. ',' .. cjson.encode(info.exchange) .. ','
-        .. cjson.encode(info.routing_key) .. ']'
-      redis.call('ZADD', KEYS[2], ARGV[1], tag)
-      redis.call('HSET', KEYS[1], tag, record)
-      out[#out + 1] = k - 2
-      out[#out + 1] = 1
-    else
-      out[#out + 1] = k - 2
-      out[#out + 1] = 0
-    end
+    out[#out + 1] = k - 2
+    out[#out + 1] = unacked_record(item, KEYS[1], KEYS[2], ARGV[1])
     out[#out + 1] = item
   end
 end

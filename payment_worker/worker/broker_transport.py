@@ -31,7 +31,7 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import loads
 
 from payment_worker import lua
 
@@ -110,8 +110,6 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
 
     def _deliver_taken(self, key: str, item: str) -> None:
         """Record BRPOP's message and take more in one script, then deliver them in order."""
-        first = loads(item)
-        tag, record = _record_of(first)
         limit = self.qos.can_consume_max_estimate()  # None: no prefetch limit
         more = self.take_batch - 1 if limit is None else min(self.take_batch, limit) - 1
         keys = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in self.active_queues]
@@ -120,19 +118,21 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 self._take_script = client.register_script(_TAKE)
             reply = self._take_script(
                 keys=[self.unacked_key, self.unacked_index_key, *keys],
-                args=[time(), max(more, 0), tag or "", record],
+                args=[time(), max(more, 0), item],
                 client=client,
             )
-        prerecorded = self.qos.prerecorded
-        if tag:
-            prerecorded.add(tag)
-        taken: list[tuple[str, Any]] = [(key, first)]
-        for i in range(0, len(reply), 3):
-            index, recorded, raw = reply[i : i + 3]
-            message = loads(bytes_to_str(raw))
+        # (queue key, message, recorded by the script), BRPOP's message first
+        entries = [(key, item, reply[0])]
+        entries += [
+            (keys[int(reply[i]) - 1], bytes_to_str(reply[i + 2]), reply[i + 1])
+            for i in range(1, len(reply), 3)
+        ]
+        taken: list[tuple[str, Any]] = []
+        for key_name, raw, recorded in entries:
+            message = loads(raw)
             if recorded:
-                prerecorded.add(message["properties"]["delivery_tag"])
-            taken.append((keys[int(index) - 1], message))
+                self.qos.prerecorded.add(message["properties"]["delivery_tag"])
+            taken.append((key_name, message))
         delivered = 0
         try:
             for key_name, message in taken:
@@ -159,18 +159,6 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 self.qos.restore_by_tag(tag)
             except Exception:  # the broker is gone: the visibility timeout restores it
                 kombu_redis.logger.warning("could not restore message %s", tag, exc_info=True)
-
-
-def _record_of(message: Any) -> tuple[str | None, str]:
-    """The delivery tag of ``message`` and kombu's unacked record of it (``[message, exchange,
-    routing_key]``, as ``kombu.transport.redis.QoS.append`` writes it); (None, '') for a
-    message without them, which kombu's own path then records."""
-    props = message.get("properties") if isinstance(message, dict) else None
-    tag = props.get("delivery_tag") if isinstance(props, dict) else None
-    info = props.get("delivery_info") if isinstance(props, dict) else None
-    if not isinstance(tag, str) or not isinstance(info, dict):
-        return None, ""
-    return tag, dumps([message, info.get("exchange"), info.get("routing_key")])
 
 
 class Transport(kombu_redis.Transport):  # type: ignore[misc]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -117,6 +119,16 @@ def _body(raw: bytes) -> str:
     return body
 
 
+def _acking(got: list[int]) -> Callable[[dict[str, int], Any], None]:
+    """A consumer callback that notes each body's number in ``got`` and acks the message."""
+
+    def on_message(body: dict[str, int], message: Any) -> None:
+        got.append(body["i"])
+        message.ack()
+
+    return on_message
+
+
 def _drain_rounds(conn: Connection, got: list[int]) -> list[int]:
     """Messages delivered per ``drain_events`` call (one BRPOP reply each), until none is left."""
     rounds = []
@@ -165,12 +177,7 @@ def test_take_batch_1_is_kombus_one_message_per_wake_up(pw_env: PwEnv) -> None:
     with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 1}) as conn:
         _publish(conn, 5)
         got: list[int] = []
-
-        def on_message(body: dict[str, int], message: object) -> None:
-            got.append(body["i"])
-            message.ack()  # type: ignore[attr-defined]
-
-        with Consumer(conn.channel(), [_Q], callbacks=[on_message]):
+        with Consumer(conn.channel(), [_Q], callbacks=[_acking(got)]):
             assert _drain_rounds(conn, got) == [1, 1, 1, 1, 1]
     assert got == list(range(5))
 

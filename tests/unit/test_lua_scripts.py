@@ -49,7 +49,7 @@ def test_the_scripts_are_there() -> None:
         "token_release",
         "token_store",
     ]
-    assert LIBS == ["lock_queue", "now_ms"]
+    assert LIBS == ["lock_queue", "now_ms", "unacked_record"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
