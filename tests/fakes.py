@@ -124,6 +124,13 @@ class FakeStore:
             raise FencedOut(f"fencing token {token} of account {account_id} is not current")
 
     # --- the WorkStore port --------------------------------------------------------------
+    def fence_and_claim(self, account_id: str, limit: int) -> Claim:
+        self.fences[account_id] += 1
+        token = self.fences[account_id]
+        claimed = FakeStore.claim_due(self, account_id, token, limit)  # one statement
+        claimed.fence_token = token
+        return claimed
+
     def claim_due(self, account_id: str, token: int, limit: int) -> Claim:
         self.claims += 1
         self._fence(account_id, token)
@@ -251,7 +258,11 @@ class FakeLock:
         self._holders = holders
 
     def acquire(
-        self, blocking: bool = False, timeout: float | None = None, arrival: Arrival | None = None
+        self,
+        blocking: bool = False,
+        timeout: float | None = None,
+        arrival: Arrival | None = None,
+        fence: bool = True,
     ) -> bool:
         if self.account_id in self._holders:
             if arrival is not None:
@@ -261,9 +272,14 @@ class FakeLock:
             for key in (arrival.mark, *arrival.cleared):
                 self._marks.pop(key, None)
         self._holders[self.account_id] = self
-        self._store.fences[self.account_id] += 1
-        self.fence_token = self._store.fences[self.account_id]
+        self.fence_token = None
+        if fence:
+            self._store.fences[self.account_id] += 1
+            self.fence_token = self._store.fences[self.account_id]
         return True
+
+    def adopt_fence(self, token: int) -> None:
+        self.fence_token = token
 
     def ensure_held(self) -> None:
         if self.checks_left is not None:

@@ -43,6 +43,21 @@ stale token costs no second query. For :func:`execute_fenced`, e.g.::
     SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok
 """
 
+NEXT_FENCE_CTE = """fence AS (
+    INSERT INTO account_fences AS a (account_id, fence_token, updated_at)
+    VALUES (:acct, 1, now())
+    ON CONFLICT (account_id) DO UPDATE SET fence_token = a.fence_token + 1, updated_at = now()
+    RETURNING a.fence_token
+)"""
+"""The fence that issues the next token, for a holder's first statement: a CTE named
+``fence`` with one row, the account's new token (what :func:`next_fence_token` does, in the
+same statement and transaction as the holder's first claim). It takes the fence row's lock
+as that upsert does, so it waits for any fenced write still holding the row ``FOR SHARE``, and
+a write of an older holder that comes after it finds no row in :data:`FENCE_CTE`. A statement
+using it reads the token with ``(SELECT fence_token FROM fence)``, and must make its other
+row locks wait for the CTE (``WHERE EXISTS (SELECT 1 FROM fence)``, a one-time filter): the
+fence row first, as an older holder's fenced writes take it, so the two cannot deadlock."""
+
 _NEXT_SQL = text(
     "INSERT INTO account_fences AS a (account_id, fence_token, updated_at)"
     " VALUES (:account_id, 1, now())"

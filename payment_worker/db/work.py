@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, RowMapping, text
 
 from payment_worker.db.engine import autocommit
-from payment_worker.db.fences import FENCE_CTE, execute_fenced, fence_params
+from payment_worker.db.fences import FENCE_CTE, NEXT_FENCE_CTE, execute_fenced, fence_params
 from payment_worker.db.models import OPEN_TX_PREDICATE, sql_values
 from payment_worker.domain.statuses import (
     IN_DOUBT_TX_STATUSES,
@@ -60,11 +60,19 @@ class ClaimedItem:
 class Claim(list[ClaimedItem]):
     """The items one claim took, in batch order, and whether more were due than it took."""
 
-    def __init__(self, items: Iterable[ClaimedItem] = (), *, more_due: bool = False) -> None:
+    def __init__(
+        self,
+        items: Iterable[ClaimedItem] = (),
+        *,
+        more_due: bool = False,
+        fence_token: int | None = None,
+    ) -> None:
         super().__init__(items)
         # more items were due (and not locked) than the limit let it take: claim again
         # before completing; False lets the drain end without a second, empty claim
         self.more_due = more_due
+        # the fencing token the claim ran under (issued by it, for fence_and_claim)
+        self.fence_token = fence_token
 
 
 # the status lists of the statements below, rendered once
@@ -75,12 +83,14 @@ _TERMINAL = sql_values(TERMINAL_TX_STATUSES)
 
 # Claim up to :n due items of the account in one statement: pending/retryable become
 # dispatching (intent recorded before the gateway call, attempts + 1); dispatching left by a
-# crashed holder becomes unknown (maybe sent: only a lookup may decide); unknown stays.
-_CLAIM = text(f"""
-WITH {FENCE_CTE},
+# crashed holder becomes unknown (maybe sent: only a lookup may decide); unknown stays. The
+# fence (first) is the holder's current token, or the next one issued by this statement.
+_CLAIM_AFTER_FENCE = f"""
 due AS (
-    SELECT t.id, t.batch_pk, t.status AS prev FROM transactions t, fence
-    WHERE t.account_id = :acct
+    SELECT t.id, t.batch_pk, t.status AS prev FROM transactions t
+    -- a one-time filter: the fence row is locked before any transaction row
+    WHERE EXISTS (SELECT 1 FROM fence)
+      AND t.account_id = :acct
       AND t.{OPEN_TX_PREDICATE}
       AND t.next_attempt_at <= now()
     ORDER BY t.batch_pk, t.id
@@ -99,7 +109,7 @@ upd AS (
                            THEN COALESCE(t.doubt_since, t.dispatched_at, t.created_at)
                            ELSE t.doubt_since END,
         dispatched_at = now(),
-        fence_token = :tok,
+        fence_token = (SELECT fence_token FROM fence),
         updated_at = now()
     FROM pick WHERE t.id = pick.id
     RETURNING t.id, t.batch_pk, t.account_id, t.transaction_id, t.amount, t.currency,
@@ -111,13 +121,17 @@ started AS (
     WHERE b.id IN (SELECT batch_pk FROM upd) AND b.status = 'pending'
 )
 -- one row even when nothing was claimed, so the fence verdict needs no second query
-SELECT upd.*, k.request_fingerprint, f.fenced_ok, m.more_due
-FROM (SELECT count(*) AS fenced_ok FROM fence) f
+SELECT upd.*, k.request_fingerprint, f.fenced_ok, f.token, m.more_due
+FROM (SELECT count(*) AS fenced_ok, max(fence_token) AS token FROM fence) f
 CROSS JOIN (SELECT count(*) > :n AS more_due FROM due) m
 LEFT JOIN upd ON true
 LEFT JOIN idempotency_keys k ON k.transaction_pk = upd.id
 ORDER BY upd.batch_pk, upd.id
-""")
+"""
+_CLAIM = text(f"WITH {FENCE_CTE},{_CLAIM_AFTER_FENCE}")
+# the holder's first claim: the fencing token is issued by the claim itself, one round trip
+# and one transaction fewer per account than an upsert of its own
+_FENCE_AND_CLAIM = text(f"WITH {NEXT_FENCE_CTE},{_CLAIM_AFTER_FENCE}")
 
 
 def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> Claim:
@@ -126,6 +140,20 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> Clai
     ``more_due`` on the answer says whether more than ``limit`` were due: one statement
     tells the drain both what to send and whether to claim again."""
     rows = execute_fenced(conn, _CLAIM, {"n": limit}, account_id=account_id, token=token)
+    return _claim_of(rows, token)
+
+
+def fence_and_claim(conn: Connection, account_id: str, limit: int) -> Claim:
+    """A holder's first claim: issue the account's next fencing token and claim with it, in
+    one statement (:data:`~payment_worker.db.fences.NEXT_FENCE_CTE`). The token is the
+    answer's ``fence_token``; every later write of the holder carries it. Committed or not
+    at all: a retry after a lost answer issues another token (tokens only need to grow), and
+    the items the lost claim took are found ``dispatching``, so they are looked up first."""
+    rows = conn.execute(_FENCE_AND_CLAIM, {"n": limit, "acct": account_id}).mappings().all()
+    return _claim_of(rows, int(rows[0]["token"]))
+
+
+def _claim_of(rows: Sequence[RowMapping], token: int) -> Claim:
     items = [
         ClaimedItem(
             id=r["id"],
@@ -146,7 +174,7 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> Clai
         for r in rows
         if r["id"] is not None
     ]
-    return Claim(items, more_due=bool(rows and rows[0]["more_due"]))
+    return Claim(items, more_due=bool(rows and rows[0]["more_due"]), fence_token=token)
 
 
 # the outcomes' CTEs, shared by _RECORD and _RECORD_AND_FINISH
@@ -417,6 +445,11 @@ class PgWorkStore:
         """See :func:`claim_due`."""
         with self._engine.connect() as conn:
             return claim_due(conn, account_id, token, limit)
+
+    def fence_and_claim(self, account_id: str, limit: int) -> Claim:
+        """See :func:`fence_and_claim`."""
+        with self._engine.connect() as conn:
+            return fence_and_claim(conn, account_id, limit)
 
     def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
         """See :func:`record_outcomes`."""

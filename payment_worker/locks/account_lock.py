@@ -190,15 +190,23 @@ class AccountLock:
     # --- acquire ----------------------------------------------------------------------
 
     def acquire(
-        self, blocking: bool = False, timeout: float | None = None, arrival: Arrival | None = None
+        self,
+        blocking: bool = False,
+        timeout: float | None = None,
+        arrival: Arrival | None = None,
+        fence: bool = True,
     ) -> bool:
-        """Take the lock; True on success, then :attr:`fence_token` is set.
+        """Take the lock; True on success, then :attr:`fence_token` is set (with ``fence``).
 
         Non-blocking (the default, or ``timeout <= 0``): one ``SET NX PX``. Blocking:
         join the FIFO queue and wait up to ``timeout`` seconds (None: forever) for the
         holder's release to hand the lock over. On success one Postgres round trip
         takes the fencing token and the lock joins the renewer; if that step fails the Redis
         lock is released and the error re-raised.
+
+        ``fence=False``: no token is taken here; the holder's first database statement must
+        issue it (``db.work.fence_and_claim``) before any other write, and hand it to
+        :meth:`adopt_fence`. The drain does so: one round trip per account fewer.
 
         ``arrival``: the work this attempt brings (:mod:`.arrival`): its mark is left when the
         lock is not taken, and the marks are cleared when it is, in the ``SET NX``'s round trip.
@@ -237,18 +245,25 @@ class AccountLock:
             self.fence_token = None
             self._deadline = granted_at + (self.ttl_ms - self.safety_margin_ms) / 1000
             self._stall.touch()
-        try:
-            fence = _fence(self._engine, self.account_id)
-        except BaseException:
-            LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
-            self.release()
-            raise
+        issued: int | None = None
+        if fence:
+            try:
+                issued = _fence(self._engine, self.account_id)
+            except BaseException:
+                LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
+                self.release()
+                raise
         with self._state:
-            self.fence_token = fence
+            self.fence_token = issued
             self._start_renewal(token)
         LOCK_ACQUIRE_SECONDS.labels("acquired").observe(_clock() - started)
-        log.debug("lock_acquired", account_id=self.account_id, fence_token=fence)
+        log.debug("lock_acquired", account_id=self.account_id, fence_token=issued)
         return True
+
+    def adopt_fence(self, token: int) -> None:
+        """The fencing token the holder's first statement issued (``acquire(fence=False)``)."""
+        with self._state:
+            self.fence_token = token
 
     def _take(
         self,

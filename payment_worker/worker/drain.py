@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from functools import partial
 
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
@@ -122,18 +121,9 @@ class Drainer:
         report = DrainReport(account_id)
         while True:
             lock = self._lock_for(account_id)
-            try:
-                # the fencing token is a database call: a blip is retried (no lock held)
-                acquired = self._db_retry.call(
-                    "acquire",
-                    partial(lock.acquire, blocking=False, arrival=arrival),
-                    account_id=account_id,
-                )
-            except DatabaseUnavailable as exc:
-                report.result = "db_unavailable"
-                log.warning("db_unavailable", account_id=account_id, reason=str(exc))
-                self._queue.hand_off(account_id, batch_id)
-                break
+            # Redis only: the fencing token is issued by the drain's first claim, in that
+            # statement (a token taken here would cost a database round trip of its own)
+            acquired = lock.acquire(blocking=False, arrival=arrival, fence=False)
             if not acquired:
                 if report.result == "idle":
                     report.result = "contended"
@@ -182,8 +172,8 @@ class Drainer:
     def _drain(self, lock: HeldLock, batch_id: str, report: DrainReport) -> None:
         limits = self._limits
         account_id = report.account_id
+        # None until the first claim issues it (the lock was taken with fence=False)
         token = lock.fence_token
-        assert token is not None
         deadline = self._clock() + limits.max_seconds
         with self._open_store() as opened:
             store = RetryingStore(opened, lock, self._db_retry, account_id)
@@ -193,7 +183,13 @@ class Drainer:
                     if self._stopping():
                         report.handed_off = report.shutdown = True
                         return
-                    items = store.claim_due(account_id, token, limits.chunk_size)
+                    if token is None:
+                        items = store.fence_and_claim(account_id, limits.chunk_size)
+                        assert items.fence_token is not None
+                        token = items.fence_token
+                        lock.adopt_fence(token)
+                    else:
+                        items = store.claim_due(account_id, token, limits.chunk_size)
                     lock.progress()
                     if items.more_due:
                         self._process_chunk(store, lock, token, items, report)

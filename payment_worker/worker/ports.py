@@ -30,6 +30,11 @@ class WorkStore(Protocol):
         says whether more than ``limit`` were due."""
         ...
 
+    def fence_and_claim(self, account_id: str, limit: int) -> Claim:
+        """A holder's first claim: issue the account's next fencing token and claim with it,
+        in one statement; the token is the answer's ``fence_token``."""
+        ...
+
     def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
         """Write what was learnt; terminal rows never move back. Returns rows changed."""
         ...
@@ -63,10 +68,19 @@ class HeldLock(Protocol):
         ...
 
     def acquire(
-        self, blocking: bool = False, timeout: float | None = None, arrival: Arrival | None = None
+        self,
+        blocking: bool = False,
+        timeout: float | None = None,
+        arrival: Arrival | None = None,
+        fence: bool = True,
     ) -> bool:
         """Take the lock (non-blocking by default); ``arrival``'s mark is left when it is not
-        taken, and cleared when it is, in the same step."""
+        taken, and cleared when it is, in the same step. ``fence=False``: no fencing token is
+        taken; the first claim issues it (:meth:`WorkStore.fence_and_claim`)."""
+        ...
+
+    def adopt_fence(self, token: int) -> None:
+        """The token the holder's first claim issued becomes :attr:`fence_token`."""
         ...
 
     def ensure_held(self) -> None:

@@ -142,6 +142,10 @@ class RetryingStore:
         """See :meth:`WorkStore.claim_due`."""
         return self._call("claim_due", lambda: self._store.claim_due(account_id, token, limit))
 
+    def fence_and_claim(self, account_id: str, limit: int) -> Claim:
+        """See :meth:`WorkStore.fence_and_claim` (a retry issues another token)."""
+        return self._call("fence_and_claim", lambda: self._store.fence_and_claim(account_id, limit))
+
     def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
         """See :meth:`WorkStore.record_outcomes`."""
         return self._call(

@@ -98,12 +98,15 @@ def test_each_store_call_and_the_fence_cost_one_round_trip(pw_env: PwEnv, tmp_pa
         assert store.claim_due("acct-rt", token, 5) == []
         assert store.complete_and_next_due("acct-rt", token) == ([], None)
         assert store.complete_batches("acct-rt", token) == []
+        # a drain's first claim issues its token in the claim's own round trip
+        first = store.fence_and_claim("acct-rt", 5)
+        assert first == [] and first.fence_token == token + 1
         trace_file.flush()
         calls = trace_path.read_text()[start:]
     engine.dispose()
-    # four calls, four round trips: no ping, no BEGIN, no COMMIT, the connection checked out
+    # five calls, five round trips: no ping, no BEGIN, no COMMIT, the connection checked out
     # and given back around each
-    assert _round_trips(calls) == 4, calls
+    assert _round_trips(calls) == 5, calls
 
 
 def test_an_idle_connection_killed_meanwhile_is_replaced_at_checkout(

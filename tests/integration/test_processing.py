@@ -315,20 +315,22 @@ def test_a_fenced_out_drain_stops_and_counts_one_rejection(
 
     batches = make_batches(batches=1, items=2, accounts=1, prefix="r")
     _submit(batches)
-    real_claim = repo.claim_due
+    real_claim = repo.fence_and_claim
 
-    def claim_after_a_takeover(*args: Any) -> list[repo.ClaimedItem]:
-        # a newer holder got a token after this one: the real claim is fenced out
+    def claim_then_a_takeover(*args: Any) -> repo.Claim:
+        # the first claim issues this holder's token; a newer holder gets one right after
+        claimed = real_claim(*args)
         with res.engine.begin() as conn:
             next_fence_token(conn, "acct-0000")
-        return real_claim(*args)
+        return claimed
 
-    monkeypatch.setattr(repo, "claim_due", claim_after_a_takeover)
+    monkeypatch.setattr(repo, "fence_and_claim", claim_then_a_takeover)
     before = REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") or 0.0
     report = processing.run_account("acct-0000", batches[0]["batch_id"], res)
     assert report.result == "fenced_out" and report.items == 0
     assert REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") == before + 1
-    assert _statuses(db_conn) == {"pending": 2}
+    # sent under the older token, its outcomes refused: the next holder looks them up
+    assert _statuses(db_conn) == {"dispatching": 2}
 
 
 def test_a_long_drain_hands_the_account_back_to_the_queue(

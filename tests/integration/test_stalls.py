@@ -226,21 +226,26 @@ def test_a_holder_blocked_in_postgres_is_taken_over_behind_the_fence(
         # another worker takes the account: a newer fencing token while the first waits
         monkeypatch.setattr(rt.settings, "lock_max_stall_seconds", 120.0)
         threads.append(run("second"))
+        # the second's first claim waits for the first's: the first claim issued its token
+        # (uncommitted) before it blocked on the table, the second's waits on that fence row
         wait_until(lambda: waiting_on_locks() == 2, 5, "the second holder to block too")
         assert lock_is_held(rt.redis, ACCT)
-        fence = db_conn.execute(
-            "SELECT fence_token FROM account_fences WHERE account_id = %s", (ACCT,)
-        ).fetchone()
-        assert fence == (2,)
     finally:
         blocker.rollback()  # the blocker is gone
         blocker.close()
         for t in threads:
             t.join(30)
-    # the blocked holder's claim ran with its old token: fenced out, it wrote and sent nothing
-    assert reports["first"].result == "fenced_out" and reports["first"].items == 0
+    fence = db_conn.execute(
+        "SELECT fence_token FROM account_fences WHERE account_id = %s", (ACCT,)
+    ).fetchone()
+    assert fence == (2,)  # the first claim's token, then the newer holder's
+    # the blocked holder's claim committed under token 1, then its lost lock stopped it
+    # before any send; the newer holder found those items in doubt and looked each up first
+    assert reports["first"].result == "lock_lost" and reports["first"].items == 0
     assert reports["second"].result == "processed" and reports["second"].items == 4
     assert _statuses(db_conn) == {"succeeded": 4}
+    lookups = db_conn.execute("SELECT sum(lookups) FROM transactions").fetchone()
+    assert lookups == (4,)
     ledger = gateway_sim.ledger()
     assert ledger["payments_sent"] == 4 and ledger["double_payments"] == []
     assert not lock_is_held(rt.redis, ACCT)

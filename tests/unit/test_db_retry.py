@@ -19,7 +19,6 @@ from payment_worker.domain.retry import Backoff
 from payment_worker.domain.statuses import TxStatus
 from payment_worker.domain.transitions import ItemOutcome, Policy
 from payment_worker.errors import DatabaseUnavailable
-from payment_worker.locks.arrival import Arrival
 from payment_worker.worker.drain import Drainer, DrainLimits
 from payment_worker.worker.store_retry import DbRetry
 from tests.fakes import FakeClock, FakeGateway, FakeLock, FakeQueue, FakeStore
@@ -159,6 +158,12 @@ class FlakyStore(FakeStore):
             "claim_due", lambda: super(FlakyStore, self).claim_due(account_id, token, limit)
         )  # type: ignore[no-any-return]
 
+    def fence_and_claim(self, account_id: str, limit: int) -> list[ClaimedItem]:
+        return self._run(
+            "fence_and_claim",
+            lambda: super(FlakyStore, self).fence_and_claim(account_id, limit),
+        )  # type: ignore[no-any-return]
+
     def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
         return self._run(
             "record_outcomes",
@@ -198,7 +203,8 @@ def test_a_claim_committed_but_unanswered_is_looked_up_not_sent_twice() -> None:
     clock = FakeClock()
     store, gateway, queue, holders = FlakyStore(clock), FakeGateway(), FakeQueue(), {}
     rows = store.add(ACCT, 1, 3)
-    store.fail("claim_due", ("after", ADMIN_SHUTDOWN))
+    # the drain's first claim, which also issued its fencing token: the retry issues another
+    store.fail("fence_and_claim", ("after", ADMIN_SHUTDOWN))
     report = _drainer(store, clock, gateway, queue, holders).run_account(ACCT, "batch-1")
     assert report.result == "processed", report
     assert store.statuses() == {"succeeded": 3}
@@ -235,34 +241,19 @@ def test_past_the_bound_the_account_is_released_and_handed_back() -> None:
     assert all(gateway.sends(r.key) == 1 for r in rows)
 
 
-class BlippingLock(FakeLock):
-    """A lock whose fencing-token step fails with a transient error while ``failures`` last."""
-
-    def __init__(self, failures: list[BaseException], *args: Any) -> None:
-        super().__init__(*args)
-        self.failures = failures
-
-    def acquire(
-        self, blocking: bool = False, timeout: float | None = None, arrival: Arrival | None = None
-    ) -> bool:
-        if self.failures:
-            raise self.failures.pop()
-        return super().acquire(blocking, timeout, arrival)
-
-
-def test_taking_the_fencing_token_is_retried_too() -> None:
+def test_the_first_claim_that_takes_the_fencing_token_is_retried_too() -> None:
     clock = FakeClock()
-    store, gateway, queue, holders = FakeStore(clock), FakeGateway(), FakeQueue(), {}
+    store, gateway, queue, holders = FlakyStore(clock), FakeGateway(), FakeQueue(), {}
     rows = store.add(ACCT, 1, 2)
     drainer = _drainer(store, clock, gateway, queue, holders)
-    failures: list[BaseException] = [ADMIN_SHUTDOWN, ADMIN_SHUTDOWN]
-    drainer._lock_for = lambda a: BlippingLock(failures, a, store, holders)  # type: ignore[method-assign]
+    store.fail("fence_and_claim", ("before", ADMIN_SHUTDOWN), ("before", ADMIN_SHUTDOWN))
     report = drainer.run_account(ACCT, "batch-1")
     assert report.result == "processed" and store.statuses() == {"succeeded": 2}
     assert all(gateway.sends(r.key) == 1 for r in rows)
-    # and past the bound: handed back, nothing sent, nothing held
+    assert all(r.lookups == 0 for r in rows)  # nothing was claimed before: nothing in doubt
+    # and past the bound: released, handed back, nothing sent, nothing held
     rows = store.add(ACCT, 2, 2)
-    failures.extend([ADMIN_SHUTDOWN] * 1000)
+    store.fail("fence_and_claim", *[("before", ADMIN_SHUTDOWN)] * 1000)
     report = drainer.run_account(ACCT, "batch-2")
     assert report.result == "db_unavailable" and queue.handed_off == [(ACCT, "batch-2")]
     assert holders == {} and all(gateway.sends(r.key) == 0 for r in rows)
