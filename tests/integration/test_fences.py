@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 
-from payment_worker.db import fences
+from payment_worker.db import fences, work
 from payment_worker.db.engine import make_engine
 from payment_worker.errors import FencedOut
 from tests.conftest import PwEnv
@@ -203,3 +203,41 @@ def test_newer_token_waits_until_a_passed_fence_commits(engine: Engine) -> None:
     assert _row(engine, pk) == ("unknown", old)
     with pytest.raises(FencedOut):
         _write(engine, pk, old, "succeeded", "unknown")
+
+
+def test_a_first_claim_issues_the_next_token_once_a_passed_fence_commits(engine: Engine) -> None:
+    """The drain's first claim (fence_and_claim) is a newer token's upsert and a claim in one
+    statement: it waits for an older holder's passed fence, and that holder is fenced out."""
+    pk = _insert_tx(engine)
+    old = _next(engine)
+    claimed: dict[str, Any] = {}
+    with engine.connect() as writer:
+        tx = writer.begin()
+        # the older holder's fenced write passed and holds the fence row (FOR SHARE)
+        assert _fenced_update(writer, pk, old, "pending", "pending") == 1
+
+        def first_claim() -> None:
+            with engine.begin() as conn:
+                claimed["claim"] = work.fence_and_claim(conn, ACCOUNT, 10)
+            claimed["at"] = time.monotonic()
+
+        t = threading.Thread(target=first_claim)
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive(), "the first claim must wait for the fenced transaction"
+        committed_at = time.monotonic()
+        tx.commit()
+        t.join(5)
+    claim = claimed["claim"]
+    assert claimed["at"] >= committed_at
+    assert claim.fence_token == old + 1 and _current(engine, ACCOUNT) == old + 1
+    assert [(i.id, i.status.value) for i in claim] == [(pk, "dispatching")]
+    assert _row(engine, pk) == ("dispatching", old + 1)
+    # the older holder comes back: refused, the row keeps the newer holder's claim
+    with pytest.raises(FencedOut):
+        _write(engine, pk, old, "succeeded", "dispatching")
+    assert _row(engine, pk) == ("dispatching", old + 1)
+    # and a new account's first claim starts its tokens at 1, with nothing to claim
+    with engine.begin() as conn:
+        empty = work.fence_and_claim(conn, "acct-new", 10)
+    assert empty == [] and empty.fence_token == 1 and not empty.more_due
