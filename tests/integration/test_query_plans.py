@@ -145,6 +145,7 @@ def test_the_drains_statements_read_only_the_accounts_rows(filled: sqlalchemy.En
         fence = fence_params(ACCOUNT, 1)
         plans = {
             "claim": _plan(conn, work._CLAIM, {"n": 50, **fence}),
+            "fence_and_claim": _plan(conn, work._FENCE_AND_CLAIM, {"n": 50, "acct": ACCOUNT}),
             "record_and_finish": _plan(conn, work._RECORD_AND_FINISH, {"rows": rows, **fence}),
             "complete_and_next_due": _plan(
                 conn, work._COMPLETE_AND_NEXT_DUE, {"pks": None, **fence}
