@@ -71,7 +71,8 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
 
     _reused_client: Any = None
     _take_script: Any = None
-    _no_ack_queues: frozenset[str] = frozenset()
+    #: consumer tags of this channel's no-ack consumers (blocks are off while there are any)
+    _no_ack_tags: frozenset[str] = frozenset()
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:
@@ -82,15 +83,23 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             client = self._reused_client = super()._create_client()
         return client
 
-    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
         # a no-ack consumer never acks: a record written for its message would only be
         # restored, a second delivery, after the visibility timeout
         if no_ack:
-            self._no_ack_queues = self._no_ack_queues | {queue}
-        return super().basic_consume(queue, no_ack, *args, **kwargs)
+            self._no_ack_tags = self._no_ack_tags | {consumer_tag}
+        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+
+    def _basic_cancel(self, consumer_tag: str) -> Any:
+        # kombu's cancel, run once no read is in progress (its own rule): from then on the
+        # consumer's messages are no longer taken, so blocks may come back with the last one
+        self._no_ack_tags = self._no_ack_tags - {consumer_tag}
+        return super()._basic_cancel(consumer_tag)
 
     def _brpop_read(self, **options: Any) -> bool:
-        if self.take_batch <= 1 or self.global_keyprefix or self._no_ack_queues:
+        if self.take_batch <= 1 or self.global_keyprefix or self._no_ack_tags:
             return bool(super()._brpop_read(**options))
         try:
             try:
@@ -139,6 +148,9 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 dest = key_name.rsplit(self.sep, 1)[0]
                 self._queue_cycle.rotate(dest)
                 self.connection._deliver(message, dest)
+                # taken over (QoS.append) or, with no consumer for its queue, rejected by
+                # kombu through its first channel's QoS, maybe not this one: not ours to keep
+                self.qos.prerecorded.discard(message["properties"]["delivery_tag"])
                 delivered += 1
         finally:
             if delivered < len(taken):

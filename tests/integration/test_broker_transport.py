@@ -3,7 +3,8 @@ against the real broker Redis: messages published, delivered, acked and restored
 kombu's own; one client per channel pool, not one per call; a closed channel's successor
 gets a client of its own pool; messages taken in blocks, each recorded (in kombu's format)
 before it is handed over, the prefetch limit kept, a block's rest put back when a delivery
-raises, no-ack consumers left to kombu."""
+raises, no-ack consumers left to kombu (blocks back once they are cancelled), and a block's
+message whose queue lost its consumer requeued by kombu and forgotten by the channel."""
 
 from __future__ import annotations
 
@@ -257,3 +258,45 @@ def test_a_no_ack_consumer_is_left_to_kombu(pw_env: PwEnv) -> None:
             assert _drain_rounds(conn, got) == [1, 1, 1, 1]
         assert _unacked(url) == 0  # nothing recorded that no ack would ever remove
     assert got == list(range(4))
+
+
+def test_blocks_come_back_once_the_no_ack_consumer_is_cancelled(pw_env: PwEnv) -> None:
+    url = pw_env.broker_url
+    with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 8}) as conn:
+        _publish(conn, 2)
+        got: list[int] = []
+        channel = conn.channel()
+        no_ack = Consumer(channel, [_Q], callbacks=[lambda b, m: got.append(b["i"])], no_ack=True)
+        no_ack.consume()
+        assert _drain_rounds(conn, got) == [1, 1]
+        no_ack.cancel()
+        _publish(conn, 10)
+        with Consumer(channel, [_Q], callbacks=[_acking(got)]):
+            assert _drain_rounds(conn, got) == [8, 2]
+    assert got == [0, 1, *range(10)]
+    assert _unacked(url) == 0
+
+
+def test_a_taken_message_whose_queue_lost_its_consumer_goes_back_and_is_forgotten(
+    pw_env: PwEnv,
+) -> None:
+    url = pw_env.broker_url
+    with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 8}) as conn:
+        _publish(conn, 4)
+        got: list[int] = []
+        channel = conn.channel()
+
+        def on_message(body: dict[str, int], message: Any) -> None:
+            got.append(body["i"])
+            message.ack()
+            # the queue's consumer goes away mid-block (a cancel racing the read): kombu
+            # rejects the block's rest, requeued, as it would a message nobody consumes
+            conn.transport._callbacks.pop(_Q.name, None)
+
+        with Consumer(channel, [_Q], callbacks=[on_message]):
+            conn.drain_events(timeout=2)
+            assert got == [0]
+            # back at the head, in order, their records gone, and nothing left to remember
+            assert _queued(url) == [1, 2, 3]
+            assert _unacked(url) == 0
+            assert channel.qos.prerecorded == set()
