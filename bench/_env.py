@@ -58,17 +58,44 @@ def scratch(redis_dbs: tuple[int, int] = (13, 14)) -> Iterator[tuple[str, str, s
     db = with_path(base_pg, f"/{name}")
     r_app = with_path(base_redis, f"/{redis_dbs[0]}")
     r_broker = with_path(base_redis, f"/{redis_dbs[1]}")
+    # two benchmarks on one Redis server would flush each other's dbs (locks, the broker's
+    # queue) mid-run: the second one stops here instead
+    held = _hold_redis_dbs(base_redis, redis_dbs)
     os.environ.update({"DATABASE_URL": db, "REDIS_URL": r_app, "CELERY_BROKER_URL": r_broker})
     runtime.reset()  # rebuilt from the environment above on first use
-    for url in (r_app, r_broker):
-        redis.Redis.from_url(url).flushdb()
-    migrate.upgrade(db.replace("postgresql://", "postgresql+psycopg://", 1))
     try:
+        for url in (r_app, r_broker):
+            redis.Redis.from_url(url).flushdb()
+        migrate.upgrade(db.replace("postgresql://", "postgresql+psycopg://", 1))
         yield db, r_app, r_broker
     finally:
         runtime.reset()
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        held.close()
+
+
+def _hold_redis_dbs(redis_url: str, dbs: tuple[int, int]) -> Any:
+    """An exclusive lock (a file under the temp directory, freed when its holder exits) on
+    ``dbs`` of the Redis server at ``redis_url``; exits with a message if another process
+    holds it."""
+    import fcntl
+    import hashlib
+    import tempfile
+
+    parts = urlsplit(redis_url)
+    server = hashlib.sha1(f"{parts.hostname}:{parts.port}".encode()).hexdigest()[:10]
+    path = Path(tempfile.gettempdir()) / f"pw-bench-redis-{server}-{dbs[0]}-{dbs[1]}.lock"
+    handle = path.open("w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise SystemExit(
+            f"another benchmark is using Redis dbs {dbs[0]} and {dbs[1]} of "
+            f"{parts.hostname}:{parts.port} ({path}): wait for it to finish"
+        ) from None
+    return handle
 
 
 def process_cpu_seconds(pid: int) -> float:
