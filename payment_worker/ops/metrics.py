@@ -33,7 +33,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 # --- account lock and fencing -------------------------------------------------------------
 LOCK_ACQUIRE_SECONDS = Histogram(
     "payment_worker_lock_acquire_seconds",
-    "Time to acquire an account lock (including fencing).",
+    "Time to acquire an account lock (with its fencing token when the acquire takes one).",
     ["result"],
     buckets=_LATENCY_BUCKETS,
 )
