@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -101,6 +101,33 @@ def _write(engine: Engine, pk: int, token: int, status: str, expected: str) -> i
         return _fenced_update(conn, pk, token, status, expected)
 
 
+def _waits_for_the_fence(
+    engine: Engine,
+    pk: int,
+    token: int,
+    write: tuple[str, str],
+    newer: Callable[[], None],
+    what: str,
+    inside: Callable[[Any], None] | None = None,
+) -> float:
+    """Hold a passed fence of ``token`` (the fenced ``write`` (status, expected) of ``pk``,
+    uncommitted), start ``newer`` in a thread, check that it waits, run ``inside`` in the
+    still-open transaction, commit, and return the time of the commit once ``newer`` ended."""
+    with engine.connect() as writer:
+        tx = writer.begin()
+        assert _fenced_update(writer, pk, token, *write) == 1
+        t = threading.Thread(target=newer)
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive(), f"{what} must wait for the fenced transaction"
+        if inside is not None:
+            inside(writer)
+        committed_at = time.monotonic()
+        tx.commit()
+        t.join(5)
+    return committed_at
+
+
 def test_tokens_start_at_one_grow_and_are_per_account(engine: Engine) -> None:
     assert _current(engine, ACCOUNT) == 0
     assert [_next(engine) for _ in range(3)] == [1, 2, 3]
@@ -181,23 +208,18 @@ def test_newer_token_waits_until_a_passed_fence_commits(engine: Engine) -> None:
     pk = _insert_tx(engine)
     old = _next(engine)
     issued: dict[str, Any] = {}
-    with engine.connect() as writer:
-        tx = writer.begin()
-        assert _fenced_update(writer, pk, old, "dispatching", "pending") == 1
 
-        def issuer() -> None:
-            issued["token"] = _next(engine)
-            issued["at"] = time.monotonic()
+    def issuer() -> None:
+        issued["token"] = _next(engine)
+        issued["at"] = time.monotonic()
 
-        t = threading.Thread(target=issuer)
-        t.start()
-        time.sleep(0.3)
-        assert t.is_alive(), "next_fence_token must wait for the fenced transaction"
+    def second_write(writer: Any) -> None:
         # still inside the fenced transaction: a second write is fenced too
         assert _fenced_update(writer, pk, old, "unknown", "dispatching") == 1
-        committed_at = time.monotonic()
-        tx.commit()
-        t.join(5)
+
+    committed_at = _waits_for_the_fence(
+        engine, pk, old, ("dispatching", "pending"), issuer, "next_fence_token", second_write
+    )
     assert issued["token"] == old + 1
     assert issued["at"] >= committed_at
     assert _row(engine, pk) == ("unknown", old)
@@ -211,23 +233,16 @@ def test_a_first_claim_issues_the_next_token_once_a_passed_fence_commits(engine:
     pk = _insert_tx(engine)
     old = _next(engine)
     claimed: dict[str, Any] = {}
-    with engine.connect() as writer:
-        tx = writer.begin()
-        # the older holder's fenced write passed and holds the fence row (FOR SHARE)
-        assert _fenced_update(writer, pk, old, "pending", "pending") == 1
 
-        def first_claim() -> None:
-            with engine.begin() as conn:
-                claimed["claim"] = work.fence_and_claim(conn, ACCOUNT, 10)
-            claimed["at"] = time.monotonic()
+    def first_claim() -> None:
+        with engine.begin() as conn:
+            claimed["claim"] = work.fence_and_claim(conn, ACCOUNT, 10)
+        claimed["at"] = time.monotonic()
 
-        t = threading.Thread(target=first_claim)
-        t.start()
-        time.sleep(0.3)
-        assert t.is_alive(), "the first claim must wait for the fenced transaction"
-        committed_at = time.monotonic()
-        tx.commit()
-        t.join(5)
+    # the older holder's fenced write passed and holds the fence row (FOR SHARE)
+    committed_at = _waits_for_the_fence(
+        engine, pk, old, ("pending", "pending"), first_claim, "the first claim"
+    )
     claim = claimed["claim"]
     assert claimed["at"] >= committed_at
     assert claim.fence_token == old + 1 and _current(engine, ACCOUNT) == old + 1
