@@ -69,6 +69,11 @@ class SimHandle:
             out: list[list[Any]] = data["requests"]
             return out
 
+    def now(self) -> float:
+        """Seconds on the simulator's clock (the time base of :meth:`requests`)."""
+        with self._http() as c:
+            return float(c.get("/_sim/requests").raise_for_status().json()["now"])
+
     def statuses(self, account_id: str, endpoint: str) -> list[Any]:
         """What the account's requests to ``endpoint`` got, in order.
 

@@ -103,11 +103,14 @@ def test_unknown_unresolved_replayed_is_recorded_from_the_lookup_without_a_secon
     env = {"GATEWAY_KEY_RETENTION_SECONDS": "120", "IN_DOUBT_MAX_SECONDS": "3"}
     with _world(pw_env, tmp_path, {"key_retention_seconds": 120}, **env) as (sim, _):
         sim.script(ACCT, {"fault": "outage_after_apply", "seconds": 10, "endpoint": "create"})
-        started = time.monotonic()
         _submit(_batch("lost"))
         _wait_dead("lost", timeout=30)
         [dl_id] = _open_ids("unknown_unresolved")
-        time.sleep(max(0.0, 11.0 - (time.monotonic() - started)))  # the outage is over
+        # the outage runs 10 s from the first create, on the simulator's clock: on a loaded
+        # host that create may come well after the submit, and a replay inside the outage
+        # would only meet 503s and go dead again
+        first_create = next(t for t, e, _ in sim.requests(ACCT) if e == "create")
+        time.sleep(max(0.0, first_create + 10.5 - sim.now()))
         out = dlq("replay", str(dl_id), env=env)
         assert out.returncode == 0, (out.stdout, out.stderr)
         rows = _settle("lost", timeout=30, until=("succeeded",))
