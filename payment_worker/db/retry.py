@@ -71,3 +71,10 @@ def transient_reason(exc: BaseException) -> str | None:
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` is worth another try on a fresh connection (see the module)."""
     return transient_reason(exc) is not None
+
+
+def short_error(exc: BaseException) -> str:
+    """The first line of a database error, for a log line (SQLAlchemy appends the statement
+    and its parameters)."""
+    text = str(getattr(exc, "orig", None) or exc)
+    return text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__

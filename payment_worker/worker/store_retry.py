@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from payment_worker.db.retry import transient_reason
+from payment_worker.db.retry import short_error, transient_reason
 from payment_worker.db.work import Claim
 from payment_worker.domain.retry import Backoff
 from payment_worker.domain.transitions import ItemOutcome
@@ -92,11 +92,11 @@ class DbRetry:
                         reason=reason,
                         attempts=attempt,
                         seconds=round(now - first_failure, 3),
-                        error=_short(exc),
+                        error=short_error(exc),
                     )
                     raise DatabaseUnavailable(
                         f"{what}: transient database errors for {now - first_failure:.1f}s "
-                        f"({reason}: {_short(exc)})"
+                        f"({reason}: {short_error(exc)})"
                     ) from exc
                 DB_RETRIES.labels(reason).inc()
                 log.warning(
@@ -106,17 +106,11 @@ class DbRetry:
                     reason=reason,
                     attempt=attempt,
                     delay=round(delay, 3),
-                    error=_short(exc),
+                    error=short_error(exc),
                 )
                 self.sleep(delay)
                 if between_tries is not None:
                     between_tries()
-
-
-def _short(exc: BaseException) -> str:
-    """The first line of the error (SQLAlchemy appends the statement and its parameters)."""
-    text = str(getattr(exc, "orig", None) or exc)
-    return text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
 
 
 class RetryingStore:

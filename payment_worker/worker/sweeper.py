@@ -43,6 +43,7 @@ from typing import Any
 from redis.exceptions import LockError, RedisError
 
 from payment_worker.db import stalls
+from payment_worker.db.retry import short_error, transient_reason
 from payment_worker.locks.liveness import (
     READ_CHUNK,
     alive_holders,
@@ -52,7 +53,13 @@ from payment_worker.locks.liveness import (
     take_over,
 )
 from payment_worker.ops.logging import get_logger
-from payment_worker.ops.metrics import LOCK_TAKEOVERS, SWEEP_REENQUEUED, SWEEP_SECONDS, SWEEPS
+from payment_worker.ops.metrics import (
+    DB_RETRIES,
+    LOCK_TAKEOVERS,
+    SWEEP_REENQUEUED,
+    SWEEP_SECONDS,
+    SWEEPS,
+)
 from payment_worker.ops.queue_depth import oldest_enqueued_ms
 from payment_worker.runtime import Runtime
 from payment_worker.settings import Settings
@@ -123,9 +130,17 @@ class SweeperThread(threading.Thread):
             delay = self._interval * random.uniform(0.9, 1.1)
             try:
                 result = sweep_if_due(self._current())
-            except Exception:
+            except Exception as exc:
                 # the next tick tries again; a thread that died would end the repair for good
-                log.exception("sweeper_thread_tick_failed")
+                reason = transient_reason(exc)
+                if reason is None:
+                    log.exception("sweeper_thread_tick_failed")
+                    continue
+                # a restart or a failover: the next tick is this pass's retry. Counted like
+                # a drain's, since whichever statement meets a dead pooled connection first
+                # invalidates the pool and the others reconnect without an error
+                DB_RETRIES.labels(reason).inc()
+                log.warning("db_retry", op="sweep", reason=reason, error=short_error(exc))
                 continue
             if result["result"] != "not_due":
                 self.passes += 1

@@ -17,16 +17,20 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+from prometheus_client import REGISTRY
 
 from payment_worker import runtime
+from payment_worker.db.retry import REASONS
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.dev.samples import make_batches
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker.queueing import enqueue_batch
 from payment_worker.worker.sweeper import SweeperThread, sweep_if_due
-from tests.conftest import PwEnv, wait_until
+from tests.conftest import PwEnv, ServiceUrls, _with_db, wait_until
+from tests.db_watch import terminate_backends
 from tests.integration.test_producer import make_batch
 
+DB_RETRIES_TOTAL = "payment_worker_db_retries_total"
 INTERVAL = 0.5  # SWEEPER_INTERVAL of these tests, seconds
 SLOTS = 2
 
@@ -56,6 +60,28 @@ def test_the_thread_sweeps_every_interval_and_stops_at_once(srt: runtime.Runtime
         t0 = time.monotonic()
         thread.stop(5)
     assert not thread.is_alive() and time.monotonic() - t0 < 1.0
+
+
+def _db_retries() -> float:
+    return sum(REGISTRY.get_sample_value(DB_RETRIES_TOTAL, {"reason": r}) or 0.0 for r in REASONS)
+
+
+def test_a_killed_connection_costs_the_thread_a_counted_retry(
+    srt: runtime.Runtime, service_urls: ServiceUrls
+) -> None:
+    assert sweep_if_due(srt)["result"] == "ok"  # the pool now holds a connection
+    time.sleep(INTERVAL)  # the next pass is due
+    # a server restart as the sweeper meets it: its pooled connections are dead
+    assert terminate_backends(_with_db(service_urls.pg_admin, "postgres"), os.getpid()) >= 1
+    before = _db_retries()
+    thread = SweeperThread(runtime.current, INTERVAL)
+    thread.start()
+    try:
+        # the failed tick is counted like a drain's retry, and the next one sweeps
+        wait_until(lambda: _db_retries() > before, 6 * INTERVAL, "the retry counted")
+        wait_until(lambda: thread.passes >= 1, 6 * INTERVAL, "a pass after the blip")
+    finally:
+        thread.stop(5)
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
