@@ -32,6 +32,7 @@ from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.gateway.connection import Answer, GatewayConnection
 from payment_worker.gateway.outcomes import (
     GatewayResult,
+    HeaderLookup,
     Outcome,
     classify_create,
     classify_lookup,
@@ -52,7 +53,7 @@ from payment_worker.settings import Settings
 
 log = get_logger("gateway.client")
 
-Classifier = Callable[[int, httpx.Headers, bytes], GatewayResult]
+Classifier = Callable[[int, HeaderLookup, bytes], GatewayResult]
 Guard = Callable[[], None]
 
 _ACCEPT = "application/json"
@@ -279,7 +280,7 @@ class GatewayClient:
         start = time.perf_counter()
         try:
             resp = send(token)
-            return classify(resp.status_code, resp.headers, resp.content)
+            return classify(resp.status_code, resp.fields, resp.content)
         except httpx.TransportError as exc:
             return classify_transport_error(exc)
         except Exception as exc:

@@ -2,12 +2,15 @@
 ``http.client``.
 
 A worker thread drives one account at a time and so has at most one request in flight: it
-needs one connection, not a pool. ``http.client`` does the HTTP (request framing, status
-line, headers, ``Content-Length``, chunked and close-delimited bodies, 1xx answers) at
-about 180 µs of CPU per request where ``httpcore`` over ``h11`` took about 290 (measured
-against the simulator, docs/benchmarks.md), and it is part of the standard library. The
-one part read here instead is the answer's header block (:func:`read_header_block`), which
-``http.client`` would hand to ``email.parser``.
+needs one connection, not a pool. ``http.client`` connects (TCP, TLS) and reads the answer
+(status line, ``Content-Length``, chunked and close-delimited bodies, 1xx answers) at about
+180 µs of CPU per request where ``httpcore`` over ``h11`` took about 290 (measured against
+the simulator, docs/benchmarks.md), and it is part of the standard library. Two parts are
+done here instead, both on every request's path: the answer's header block
+(:func:`read_header_block`), which ``http.client`` would hand to ``email.parser``, and the
+request itself (:func:`request_bytes`): one ``bytes`` built from the request line and the
+fields, where ``http.client`` checks and encodes each field in a call of its own (its
+``putheader`` was a tenth of a drain's CPU per item, docs/benchmarks.md).
 
 What this module adds is what decides whether a payment may be sent again: every failure is
 raised as the httpx exception class of the phase it happened in, which
@@ -31,6 +34,7 @@ arrived look "maybe sent". After any failure the connection is closed: its state
 from __future__ import annotations
 
 import http.client
+import re
 import select
 import socket
 import ssl
@@ -45,6 +49,54 @@ KEEPALIVE_EXPIRY = 5.0  # seconds idle after which a kept connection is not reus
 # http.client's own bounds on an answer's header block (_MAXLINE, _MAXHEADERS)
 MAX_HEADER_LINE = 65536
 MAX_HEADERS = 100
+
+
+# what may go into a request (RFC 9110): a method and a field name are tokens; a target has
+# no space or control character; a field value no CR, LF or NUL (a header injection)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_TARGET = re.compile(r"[\x00-\x20\x7f]")
+_BAD_VALUE = re.compile(r"[\r\n\x00]")
+# http.client sends a zero length for these methods when they have no body
+_BODY_METHODS = frozenset({"PATCH", "POST", "PUT"})
+
+
+def request_bytes(
+    method: str, target: str, headers: dict[str, str], body: bytes | None, host: str
+) -> bytes:
+    """One HTTP/1.1 request as it goes on the wire: what ``http.client``'s ``request``
+    would send, with the same fields added when absent (``Host``, ``Accept-Encoding:
+    identity``, ``Content-Length``), in one buffer. Raises :class:`ValueError` for a method,
+    target, field name or value that could break the request's framing (nothing sent)."""
+    if not _TOKEN.fullmatch(method) or _BAD_TARGET.search(target) or not target:
+        raise ValueError(f"not a request line: {method[:20]!r} {target[:80]!r}")
+    lines = [f"{method} {target} HTTP/1.1"]
+    names = {name.lower() for name in headers}
+    if "host" not in names:
+        lines.append(f"Host: {host}")
+    if "accept-encoding" not in names:
+        lines.append("Accept-Encoding: identity")
+    if "content-length" not in names and (body is not None or method in _BODY_METHODS):
+        lines.append(f"Content-Length: {len(body) if body is not None else 0}")
+    for name, value in headers.items():
+        if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value):
+            raise ValueError(f"invalid header {name[:40]!r}: a value may not break a line")
+        lines.append(f"{name}: {value}")
+    lines.append("\r\n")
+    # latin-1, as http.client encodes fields; a character beyond it is a ValueError too
+    head = "\r\n".join(lines).encode("latin-1")
+    return head + body if body else head
+
+
+def host_field(host: str, port: int, default_port: int) -> str:
+    """The ``Host`` field ``http.client`` sends for ``host:port`` (IDNA, IPv6 brackets, the
+    port left out when it is the scheme's)."""
+    try:
+        name = host.encode("ascii").decode()
+    except UnicodeEncodeError:
+        name = host.encode("idna").decode()
+    if ":" in name and not name.startswith("["):
+        name = f"[{name}]"
+    return name if port == default_port else f"{name}:{port}"
 
 
 class Headers:
@@ -197,43 +249,24 @@ def _bounded(sock: socket.socket, seconds: float) -> socket.socket:
     return _KernelTimedSocket(fileno=sock.detach())
 
 
-class _Gathering:
-    """What ``http.client`` sends for one request, gathered to be written at once.
-
-    ``http.client`` sends the header block and the body in two ``send`` calls: two writes,
-    two TCP segments, and two more hand-overs of the GIL per request. While ``gathered`` is a
-    list, ``send`` appends to it; :meth:`GatewayConnection.request` then writes it whole."""
-
-    gathered: list[bytes] | None = None
-
-    def send(self, data: Any) -> None:
-        if self.gathered is None:
-            super().send(data)  # type: ignore[misc]
-        else:
-            self.gathered.append(bytes(data))
-
-
-class _HTTPConnection(_Gathering, http.client.HTTPConnection):
-    pass
-
-
-class _HTTPSConnection(_Gathering, http.client.HTTPSConnection):
-    pass
-
-
 class Answer:
     """An HTTP answer read in full: status, headers, body (what the outcome tables read)."""
 
-    __slots__ = ("content", "raw_headers", "status_code")
+    __slots__ = ("content", "fields", "status_code")
 
-    def __init__(self, status_code: int, raw_headers: list[tuple[str, str]], content: bytes):
+    def __init__(self, status_code: int, fields: Headers, content: bytes):
         self.status_code = status_code
-        self.raw_headers = raw_headers
+        self.fields = fields  # the outcome tables' lookups: the first field of a name
         self.content = content
 
     @property
+    def raw_headers(self) -> list[tuple[str, str]]:
+        """Every header field as (name, value), in the order received."""
+        return self.fields.items()
+
+    @property
     def headers(self) -> httpx.Headers:
-        """The headers, case-insensitive (built on demand: most answers never need them)."""
+        """The headers as ``httpx.Headers`` (built on demand: the tables read ``fields``)."""
         return httpx.Headers(self.raw_headers)
 
     def response(self) -> httpx.Response:
@@ -255,20 +288,28 @@ class GatewayConnection:
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._read_timeout = read_timeout  # the connect's bound is the connection's timeout
-        conn: _HTTPConnection | _HTTPSConnection
+        # http.client only connects here (TCP, TLS) and closes: requests are written and
+        # answers read below, so its own request state machine is never used
+        conn: http.client.HTTPConnection
         if scheme == "https":
-            conn = _HTTPSConnection(host, port, timeout=connect_timeout, context=ssl_context)
+            conn = http.client.HTTPSConnection(
+                host, port, timeout=connect_timeout, context=ssl_context
+            )
         else:
-            conn = _HTTPConnection(host, port, timeout=connect_timeout)
-        conn.auto_open = 0  # connecting is a phase of its own (see the module)
-        conn.response_class = _Response
+            conn = http.client.HTTPConnection(host, port, timeout=connect_timeout)
         self._conn = conn
+        self._host = host_field(host, port, conn.default_port)
         self._last_used = 0.0
 
     def request(
         self, method: str, target: str, headers: dict[str, str], body: bytes | None
     ) -> Answer:
         """Send one request and read its answer in full; raises httpx's transport errors."""
+        try:
+            data = request_bytes(method, target, headers, body, self._host)
+        except ValueError as exc:  # a field that would break the framing: nothing is sent,
+            # but it is classified as maybe sent like any unexpected error
+            raise httpx.LocalProtocolError(f"send: {exc}") from exc
         conn = self._conn
         if conn.sock is not None and not self._fresh(conn.sock):
             conn.close()
@@ -283,23 +324,21 @@ class GatewayConnection:
                 raise httpx.ConnectError(f"connect: {exc}") from exc
             if conn.sock is not None:  # the send's and the answer's bound
                 conn.sock = _bounded(conn.sock, self._read_timeout)
-        conn.gathered = []
+        sock = conn.sock
         try:
-            conn.request(method, target, body=body, headers=headers)  # gathered, not sent
-            conn.sock.sendall(b"".join(conn.gathered))
+            # the request line, the fields and the body in one write: one segment, one
+            # hand-over of the GIL
+            sock.sendall(data)
         except TimeoutError as exc:
             conn.close()
             raise httpx.WriteTimeout(f"send: {exc or 'timed out'}") from exc
-        except (OSError, http.client.HTTPException) as exc:
+        except OSError as exc:
             conn.close()
             raise httpx.WriteError(f"send: {type(exc).__name__}: {exc}") from exc
-        except ValueError as exc:  # a header value http.client refuses (CR, LF): not sent,
-            conn.close()  # but classified as maybe sent like any unexpected error
-            raise httpx.LocalProtocolError(f"send: {exc}") from exc
-        finally:
-            conn.gathered = None
         try:
-            response = conn.getresponse()
+            # what http.client's getresponse does, without its request state machine
+            response = _Response(sock, method=method)
+            response.begin()
             content = response.read()
         except TimeoutError as exc:
             conn.close()
@@ -314,9 +353,10 @@ class GatewayConnection:
             conn.close()
             raise httpx.RemoteProtocolError(f"answer: {type(exc).__name__}: {exc}") from exc
         self._last_used = time.monotonic()
-        # a "Connection: close" answer closed the socket already (http.client); the next
-        # request opens a new one
-        return Answer(response.status, response.getheaders(), content)
+        if response.will_close:
+            conn.close()  # "Connection: close", or a close-delimited body: the next opens anew
+        assert isinstance(response.headers, Headers)
+        return Answer(response.status, response.headers, content)
 
     def close(self) -> None:
         """Close the connection (a later request opens a new one)."""

@@ -14,11 +14,20 @@ import time
 from dataclasses import dataclass, replace
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from payment_worker.ops.redaction import mask_account_numbers, redact
+
+
+class HeaderLookup(Protocol):
+    """What the tables read of an answer's headers: a field by name, in any case (an
+    ``httpx.Headers``, or the connection's own lighter ``Headers``)."""
+
+    def get(self, name: str, default: None = None, /) -> str | None:
+        """The field called ``name``, or None."""
+        ...
 
 
 class Outcome(StrEnum):
@@ -171,7 +180,7 @@ def is_payment_body(body: dict[str, Any]) -> bool:
     return isinstance(payment_id, str) and bool(payment_id) and body.get("status") == "succeeded"
 
 
-def classify_create(status: int, headers: httpx.Headers, content: bytes) -> GatewayResult:
+def classify_create(status: int, headers: HeaderLookup, content: bytes) -> GatewayResult:
     """Classify the answer to a create-payment request."""
     body = _json_body(content)
     outcome = CREATE_TABLE.get(status, Outcome.UNKNOWN)
@@ -180,7 +189,7 @@ def classify_create(status: int, headers: httpx.Headers, content: bytes) -> Gate
     return _result(outcome, status, headers, body, content)
 
 
-def classify_lookup(status: int, headers: httpx.Headers, content: bytes) -> GatewayResult:
+def classify_lookup(status: int, headers: HeaderLookup, content: bytes) -> GatewayResult:
     """Classify the answer to a lookup; a 200 is judged by the stored ``http_status``."""
     body = _json_body(content)
     if status == 200:
@@ -204,7 +213,7 @@ def classify_lookup(status: int, headers: httpx.Headers, content: bytes) -> Gate
 def _result(
     outcome: Outcome,
     status: int,
-    headers: httpx.Headers,
+    headers: HeaderLookup,
     body: dict[str, Any],
     content: bytes,
 ) -> GatewayResult:
@@ -226,7 +235,7 @@ def _result(
         payment_id=_str_or_none(body.get("payment_id")),
         reason=reason,
         retry_after=retry_after,
-        replayed=headers.get("idempotent-replayed", "").strip().lower() == "true",
+        replayed=(headers.get("idempotent-replayed") or "").strip().lower() == "true",
         error=None if good else f"HTTP {status}: {_text(content)}".strip(),
     )
 
