@@ -48,6 +48,7 @@ from payment_worker.ops.metrics import (
     GATEWAY_REQUEST_SECONDS,
     GATEWAY_REQUESTS,
     GATEWAY_UNAUTHORIZED,
+    child,
 )
 from payment_worker.settings import Settings
 
@@ -289,7 +290,7 @@ class GatewayClient:
             log.exception("gateway_client_error", endpoint=endpoint)
             return client_error(exc)
         finally:
-            GATEWAY_REQUEST_SECONDS.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+            child(GATEWAY_REQUEST_SECONDS, endpoint).observe(time.perf_counter() - start)
 
     def _cooldown(self, account_id: str, seconds: float) -> None:
         """Close the account for every process, for at most RETRY_AFTER_MAX_SECONDS."""
@@ -301,7 +302,7 @@ class GatewayClient:
             log.warning("pacing_cooldown_not_recorded", account_id=account_id, error=str(exc))
 
     def _done(self, endpoint: str, account_id: str, result: GatewayResult) -> GatewayResult:
-        GATEWAY_REQUESTS.labels(endpoint=endpoint, outcome=result.outcome.value).inc()
+        child(GATEWAY_REQUESTS, endpoint, result.outcome.value).inc()
         if result.outcome in (Outcome.UNKNOWN, Outcome.PERMANENT) or (
             result.outcome is Outcome.RETRY and result.http_status != 409
         ):

@@ -105,18 +105,20 @@ class Headers:
     ``_check_close``, ``items`` in ``getheaders``). Not ``httpx.Headers``: its ``get`` and
     ``items`` join repeated fields, where ``http.client`` takes the first (a length)."""
 
-    __slots__ = ("_fields",)
+    __slots__ = ("_fields", "_first")
 
     def __init__(self, fields: list[tuple[str, str]]) -> None:
         self._fields = fields
+        # each answer is looked up four times or more (framing, keep-alive, the tables):
+        # one pass builds the first value of each name
+        first: dict[str, str] = {}
+        for key, value in fields:
+            first.setdefault(key.lower(), value)
+        self._first = first
 
     def get(self, name: str, default: str | None = None) -> str | None:
         """The first field called ``name`` (any case), or ``default``."""
-        name = name.lower()
-        for key, value in self._fields:
-            if key.lower() == name:
-                return value
-        return default
+        return self._first.get(name.lower(), default)
 
     def items(self) -> list[tuple[str, str]]:
         """Every field as (name, value), in the order received."""
