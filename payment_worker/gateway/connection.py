@@ -10,7 +10,7 @@ done here instead, both on every request's path: the answer's header block
 (:func:`read_header_block`), which ``http.client`` would hand to ``email.parser``, and the
 request itself (:func:`request_bytes`): one ``bytes`` built from the request line and the
 fields, where ``http.client`` checks and encodes each field in a call of its own (its
-``putheader`` was a tenth of a drain's CPU per item, docs/benchmarks.md).
+``putheader`` alone was about 8 % of a drain's profiled CPU, docs/benchmarks.md).
 
 What this module adds is what decides whether a payment may be sent again: every failure is
 raised as the httpx exception class of the phase it happened in, which
