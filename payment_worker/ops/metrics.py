@@ -13,13 +13,11 @@ added up, ``max``...), never the default ``all`` (one series per pid).
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -226,15 +224,6 @@ def preset(presets: Iterable[tuple[MetricWrapperBase, tuple[tuple[str, ...], ...
 
 
 preset(_PRESETS)
-
-
-@functools.lru_cache(maxsize=4096)
-def child(metric: MetricWrapperBase, *values: str) -> Any:
-    """``metric.labels(*values)``, remembered: the per-item path's labelled series. A
-    ``labels`` call checks and joins its values under the metric's lock, a few µs three
-    times per request; the child it returns is the same object every time (and survives
-    a fork as the metric's own cache does: the values check the process id on write)."""
-    return metric.labels(*values)
 
 
 # --- the worker's /metrics -----------------------------------------------------------------

@@ -50,7 +50,6 @@ from payment_worker.ops.metrics import (
     TASK_EXECUTIONS,
     TRANSACTION_RETRIES,
     TRANSACTIONS_FINISHED,
-    child,
 )
 from payment_worker.runtime import Runtime
 from payment_worker.worker.ports import AccountQueue, Gateway, Guard, HeldLock, WorkStore
@@ -316,11 +315,11 @@ class Drainer:
                 for d in (o.decision for o in outcomes):
                     if d.status in TERMINAL_TX_STATUSES:
                         report.finished[d.status] = report.finished.get(d.status, 0) + 1
-                        child(TRANSACTIONS_FINISHED, d.status).inc()
+                        TRANSACTIONS_FINISHED.labels(d.status).inc()
                         if d.dead_reason:
                             DEAD_LETTERS.labels(d.dead_reason).inc()
                     else:
-                        child(TRANSACTION_RETRIES, d.status).inc()
+                        TRANSACTION_RETRIES.labels(d.status).inc()
         return finished
 
     def _process_item(self, guard: Guard, item: ClaimedItem) -> ItemOutcome:

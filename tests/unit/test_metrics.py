@@ -211,17 +211,3 @@ def test_ended_processes_are_folded_into_one_archive_and_still_counted(tmp_path:
     assert second['payment_worker_batch_processing_seconds_bucket{le="0.1"}'] == 4
     assert second['payment_worker_batch_processing_seconds_bucket{le="+Inf"}'] == 8
     assert second["payment_worker_batch_processing_seconds_sum"] == pytest.approx(4 * 3.07)
-
-
-def test_a_remembered_child_is_the_labelled_series() -> None:
-    from prometheus_client import REGISTRY
-
-    from payment_worker.ops.metrics import GATEWAY_REQUESTS, child
-
-    series = {"endpoint": "lookup", "outcome": "conflict"}
-    name = "payment_worker_gateway_requests_total"
-    before = REGISTRY.get_sample_value(name, series) or 0.0
-    assert child(GATEWAY_REQUESTS, "lookup", "conflict") is GATEWAY_REQUESTS.labels(**series)
-    child(GATEWAY_REQUESTS, "lookup", "conflict").inc()
-    child(GATEWAY_REQUESTS, "lookup", "conflict").inc()
-    assert REGISTRY.get_sample_value(name, series) == before + 2
