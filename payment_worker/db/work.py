@@ -22,6 +22,7 @@ from sqlalchemy import Connection, Engine, RowMapping, text
 from payment_worker.db.engine import autocommit
 from payment_worker.db.fences import FENCE_CTE, NEXT_FENCE_CTE, execute_fenced, fence_params
 from payment_worker.db.models import OPEN_TX_PREDICATE, sql_values
+from payment_worker.db.sql_text import compact_text
 from payment_worker.domain.statuses import (
     IN_DOUBT_TX_STATUSES,
     OPEN_TX_STATUSES,
@@ -128,10 +129,10 @@ LEFT JOIN upd ON true
 LEFT JOIN idempotency_keys k ON k.transaction_pk = upd.id
 ORDER BY upd.batch_pk, upd.id
 """
-_CLAIM = text(f"WITH {FENCE_CTE},{_CLAIM_AFTER_FENCE}")
+_CLAIM = compact_text(f"WITH {FENCE_CTE},{_CLAIM_AFTER_FENCE}")
 # the holder's first claim: the fencing token is issued by the claim itself, one round trip
 # and one transaction fewer per account than an upsert of its own
-_FENCE_AND_CLAIM = text(f"WITH {NEXT_FENCE_CTE},{_CLAIM_AFTER_FENCE}")
+_FENCE_AND_CLAIM = compact_text(f"WITH {NEXT_FENCE_CTE},{_CLAIM_AFTER_FENCE}")
 
 
 def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> Claim:
@@ -236,7 +237,7 @@ replay_done AS (
       AND upd.status IN ('succeeded', 'failed')
 )"""
 
-_RECORD = text(f"""{_RECORD_CTES}
+_RECORD = compact_text(f"""{_RECORD_CTES}
 SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok
 """)
 
@@ -312,7 +313,7 @@ UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = no
     succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
 """
 
-_COMPLETE = text(f"""
+_COMPLETE = compact_text(f"""
 WITH {FENCE_CTE}
 {_COMPLETE_SET}
 FROM ({_COMPLETABLE}) s
@@ -322,7 +323,7 @@ RETURNING b.batch_id
 
 # the end of a drain in one statement: complete what is complete, and tell when the next open
 # item is due (the UPDATE writes batches only, so the SELECT over transactions is unaffected)
-_COMPLETE_AND_NEXT_DUE = text(f"""
+_COMPLETE_AND_NEXT_DUE = compact_text(f"""
 WITH {FENCE_CTE},
 done AS (
     {_COMPLETE_SET}
@@ -352,7 +353,7 @@ def complete_batches(
 # time, in one statement. Every CTE reads the snapshot taken before the statement, so the
 # account's rows are read as they will be: the outcomes' rows as ``upd`` returns them, the
 # others as they are (its open rows, and the rest of its batches not yet completed).
-_RECORD_AND_FINISH = text(f"""{_RECORD_CTES},
+_RECORD_AND_FINISH = compact_text(f"""{_RECORD_CTES},
 cur AS (
     SELECT batch_pk, status, next_attempt_at FROM upd
     UNION ALL
