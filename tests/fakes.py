@@ -34,7 +34,7 @@ from payment_worker.domain.statuses import (
 from payment_worker.domain.transitions import Doubt, ItemOutcome
 from payment_worker.errors import FencedOut, LockLost
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
-from payment_worker.locks.arrival import Arrival
+from payment_worker.locks.arrival import Arrival, Rider
 from payment_worker.worker.ports import Guard
 
 
@@ -263,6 +263,7 @@ class FakeLock:
         timeout: float | None = None,
         arrival: Arrival | None = None,
         fence: bool = True,
+        rider: Rider | None = None,
     ) -> bool:
         if self.account_id in self._holders:
             if arrival is not None:
@@ -361,6 +362,9 @@ class FakeGateway:
         if self.paid[idempotency_key]:
             return ok(f"pay-{idempotency_key}")
         return answer(Outcome.NOT_FOUND, 404, reason="not_found")
+
+    def account_start(self, account_id: str) -> Rider | None:
+        return None  # nothing shared to read: the fake keeps no token or pacing
 
     def done_with(self, account_id: str) -> None:
         self.done.append(account_id)

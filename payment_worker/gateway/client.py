@@ -203,14 +203,31 @@ class GatewayClient:
             held,
         )
 
+    def account_start(self, account_id: str) -> StartRider | None:
+        """What the account's first requests would read (its shared token, a block of pacing
+        slots), for the lock holder to read in its lock's round trip
+        (``lua/account_start.lua``); None when this process needs neither."""
+        rate = self._settings.rate_for(account_id)
+        token = self.tokens.start_args(account_id)
+        pace = self.pacer.start_args(account_id, rate)
+        if token is None and pace is None:
+            return None
+        return StartRider(self, account_id, token, pace)
+
     def done_with(self, account_id: str) -> None:
         """The caller is about to release the account: this process's unused pacing slots of
-        it go back (:meth:`Pacer.give_back`), so its next holder starts within an interval."""
+        it go back (:meth:`Pacer.give_back`), so its next holder starts within an interval,
+        and a token refresh its start took and it never made is let go."""
         try:
             self.pacer.give_back(account_id, self._settings.rate_for(account_id))
         except RedisError as exc:
             # the next holder waits for the rest of the window at most
             log.warning("pacing_give_back_failed", account_id=account_id, error=str(exc))
+        try:
+            self.tokens.release_started(account_id)
+        except RedisError as exc:
+            # the refresh lock's TTL frees it
+            log.warning("token_release_failed", account_id=account_id, error=str(exc))
 
     def close(self) -> None:
         """Close every HTTP connection (a later request opens a new one)."""
@@ -329,6 +346,49 @@ class GatewayClient:
             "client_secret": _secret(self._settings),
         }
         return self._request("POST", "/oauth/token", {}, body).response()
+
+
+class StartRider:
+    """A lock attempt's rider (:class:`payment_worker.locks.arrival.Rider`): the account's
+    token read and pacing lease, in the lock's round trip; their answers go to the client's
+    :class:`TokenManager` and :class:`Pacer` as if the first request had read them."""
+
+    __slots__ = ("_account", "_client", "_owner", "_rate", "_sent", "args", "keys")
+
+    def __init__(
+        self,
+        client: GatewayClient,
+        account_id: str,
+        token: tuple[str, int] | None,
+        pace: tuple[float, int, float] | None,
+    ) -> None:
+        self._client = client
+        self._account = account_id
+        self._owner, ttl_ms = token if token is not None else ("", 0)
+        self._rate = pace[0] if pace is not None else 0.0
+        # the lease's window is counted from before the script left, as for any lease
+        self._sent = client.pacer.now()
+        self.keys = (
+            client.tokens.token_key(account_id),
+            client.tokens.lock_key(account_id),
+            client.pacer.key(account_id),
+        )
+        self.args: tuple[str | int | float, ...] = (
+            self._owner,
+            ttl_ms,
+            *(pace if pace is not None else ("", 0, 0)),
+        )
+
+    def taken(self, token: list[Any], pace: list[Any]) -> None:
+        """The lock was taken and the script read what was asked (never raises: a failure
+        here leaves the requests to read for themselves)."""
+        try:
+            if token:
+                self._client.tokens.started(self._account, self._owner, token)
+            if pace:
+                self._client.pacer.started(self._account, self._rate, pace, self._sent)
+        except Exception:
+            log.exception("account_start_not_kept", account_id=self._account)
 
 
 def _seg(value: str) -> str:

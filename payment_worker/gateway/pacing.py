@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -184,12 +185,31 @@ class Pacer:
         # next one only when it is (about) due, while one that comes fresh may reserve up to
         # a whole block ahead, so a waiting process gets the next block before the last
         # holder asks again.
-        n = self.block(rate)
-        continuing = last is not None and last.end > now - 1.0
-        reach_ms = (1 if continuing else n) * interval * 1000
+        n, reach_ms = self._reach(rate, interval, last, now)
         ahead_ms = reach_ms if ahead is None else max(0.0, min(reach_ms, ahead * 1000))
         sent = self._clock()
         answer = self._acquire(keys=[self.key(account_id)], args=[rate, n, ahead_ms])
+        return self._install(account_id, interval, last, answer, sent)
+
+    def _reach(
+        self, rate: float, interval: float, last: _Lease | None, now: float
+    ) -> tuple[int, float]:
+        """The slots a lease asks for, and how far ahead (ms) its first may lie."""
+        n = self.block(rate)
+        continuing = last is not None and last.end > now - 1.0
+        return n, (1 if continuing else n) * interval * 1000
+
+    def _install(
+        self,
+        account_id: str,
+        interval: float,
+        last: _Lease | None,
+        answer: Sequence[Any],
+        sent: float,
+        take: bool = True,
+    ) -> float:
+        """A lease script's answer (sent at ``sent``) kept: 0.0 (a slot taken), or the wait.
+        ``take=False``: only kept (the slot is taken by the request that comes for it)."""
         got = self._clock()
         self.scripts += 1
         granted, delay = answer[0], answer[1]
@@ -214,8 +234,37 @@ class Pacer:
             if len(self._leases) + len(self._closed) >= _SWEEP_AT:
                 self._sweep(got)
             self._leases[account_id] = lease
-            wait = self._take(lease, interval, self._clock())
+            wait = self._take(lease, interval, self._clock()) if take else None
         return wait if wait is not None else delay_s
+
+    def start_args(self, account_id: str, rate: float) -> tuple[float, int, float] | None:
+        """A lease's arguments (rate, slots, reach in ms) for a lock holder's start script
+        (``lua/account_start.lua``), or None when this process still has a lease of the
+        account, or knows it closed, or is leasing it now: the first request decides then."""
+        now = self._clock()
+        with self._lock:
+            if account_id in self._leasing:
+                return None
+            closed = self._closed.get(account_id)
+            if closed is not None and closed > now:
+                return None
+            last = self._leases.get(account_id)
+            if last is not None and max(last.end, last.next_at) > now:
+                return None
+        n, reach_ms = self._reach(rate, 1.0 / rate, last, now)
+        return rate, n, reach_ms
+
+    def started(self, account_id: str, rate: float, answer: Sequence[Any], sent: float) -> None:
+        """The start script's lease (``pace_acquire.lua``'s answer, the script sent at
+        ``sent`` on this pacer's clock), kept as a lease of :meth:`try_acquire` is: the
+        holder's first request takes its slot without a round trip."""
+        with self._lock:
+            last = self._leases.pop(account_id, None)
+        self._install(account_id, 1.0 / rate, last, answer, sent, take=False)
+
+    def now(self) -> float:
+        """This pacer's clock (a start script's send time is read on it)."""
+        return self._clock()
 
     @staticmethod
     def _take(lease: _Lease, interval: float, now: float) -> float | None:

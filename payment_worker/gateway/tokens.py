@@ -23,8 +23,9 @@ from __future__ import annotations
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import redis
@@ -101,6 +102,9 @@ class TokenManager:
         # it (all judge "due" by the same lead stored with the token), so reading Redis on
         # every call would only cost a round trip; a 401 bypasses this copy.
         self._local: dict[str, tuple[str, float]] = {}
+        # account -> the owner value of a refresh lock taken at the lock holder's start
+        # (account_start.lua) and not yet used: the next get() refreshes under it
+        self._started: dict[str, str] = {}
 
     # --- keys ---------------------------------------------------------------------------
     def token_key(self, account_id: str) -> str:
@@ -134,6 +138,33 @@ class TokenManager:
         else:
             self._local.pop(account_id, None)
 
+    # --- read at the account lock's take (lua/account_start.lua) ---------------------------
+    def start_args(self, account_id: str) -> tuple[str, int] | None:
+        """The refresh lock's owner value and TTL for the start script's token read, or None
+        when this process's copy of the token is fresh (nothing to read)."""
+        hit = self._local.get(account_id)
+        if hit is not None and time.monotonic() < hit[1]:
+            return None
+        return secrets.token_hex(12), self._lock_ttl_ms
+
+    def started(self, account_id: str, owner: str, reply: Sequence[Any]) -> None:
+        """The start script's token answer (``token_claim.lua``'s): a token to use is kept
+        as :meth:`get` keeps one; a refresh lock taken is kept for the next :meth:`get`."""
+        verdict, token, pttl, lead = reply
+        if _s(verdict) == "refresh":
+            self._started[account_id] = owner
+        elif _s(verdict) == "use" and token:
+            self._remember(account_id, _s(token), int(pttl) - int(lead))
+
+    def release_started(self, account_id: str) -> bool:
+        """Release a refresh lock taken at the start and not used (the holder sent nothing),
+        so that no other process waits for its TTL. True when there was one."""
+        owner = self._started.pop(account_id, None)
+        if owner is None:
+            return False
+        self._release(keys=[self.lock_key(account_id)], args=[owner])
+        return True
+
     # --- the one entry point -----------------------------------------------------------
     def get(self, account_id: str, rejected: str | None = None) -> str | GatewayResult:
         """A valid token for ``account_id``, or a not-sent result when none can be had.
@@ -146,6 +177,10 @@ class TokenManager:
             hit = self._local.get(account_id)
             if hit is not None and time.monotonic() < hit[1]:
                 return hit[0]
+            started = self._started.pop(account_id, None)
+            if started is not None:
+                # the lock holder's start took the refresh lock: no second read
+                return self._refresh_owned(account_id, started)
         else:
             self._local.pop(account_id, None)
         deadline = time.monotonic() + self._lock_ttl_ms / 1000.0 + 2.0
@@ -158,15 +193,7 @@ class TokenManager:
                 self._remember(account_id, cur.token, cur.remaining_ms - cur.lead_ms)
                 return cur.token
             if verdict == "refresh":
-                stored = False
-                try:
-                    token, stored = self._refresh(account_id, owner)
-                    return token
-                finally:
-                    if not stored:
-                        # nothing stored (a failed request, an expired lock, an error): the
-                        # lock goes now, not at its TTL, so another process may try at once
-                        self._release(keys=[self.lock_key(account_id)], args=[owner])
+                return self._refresh_owned(account_id, owner)
             if cur is not None and cur.token != rejected:
                 return cur.token  # due, but someone else is refreshing: it is still valid
             if time.monotonic() >= deadline:
@@ -174,6 +201,19 @@ class TokenManager:
             time.sleep(self._poll)
 
     # --- internals ----------------------------------------------------------------------
+    def _refresh_owned(self, account_id: str, owner: str) -> str | GatewayResult:
+        """Refresh under the refresh lock ``owner`` holds; the lock is released whatever
+        happens (by the store, or here)."""
+        stored = False
+        try:
+            token, stored = self._refresh(account_id, owner)
+            return token
+        finally:
+            if not stored:
+                # nothing stored (a failed request, an expired lock, an error): the lock
+                # goes now, not at its TTL, so another process may try at once
+                self._release(keys=[self.lock_key(account_id)], args=[owner])
+
     def _claim_token(
         self, account_id: str, owner: str, rejected: str | None
     ) -> tuple[str, CachedToken | None]:

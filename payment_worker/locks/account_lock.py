@@ -42,7 +42,7 @@ from payment_worker import lua
 from payment_worker.db.fences import next_fence_token
 from payment_worker.db.retry import transient_reason
 from payment_worker.errors import LockLost, LockNotAcquired
-from payment_worker.locks.arrival import Arrival
+from payment_worker.locks.arrival import Arrival, Rider
 from payment_worker.locks.liveness import (
     TAKEOVER_LUA,
     Liveness,
@@ -195,6 +195,7 @@ class AccountLock:
         timeout: float | None = None,
         arrival: Arrival | None = None,
         fence: bool = True,
+        rider: Rider | None = None,
     ) -> bool:
         """Take the lock; True on success, then :attr:`fence_token` is set (with ``fence``).
 
@@ -210,6 +211,9 @@ class AccountLock:
 
         ``arrival``: the work this attempt brings (:mod:`.arrival`): its mark is left when the
         lock is not taken, and the marks are cleared when it is, in the ``SET NX``'s round trip.
+        ``rider`` (with ``arrival`` only): read what it asks for in that round trip too, when
+        the lock is taken there (:mod:`.arrival`); a lock taken another way (a dead holder's)
+        leaves the rider untouched.
         """
         with self._state:
             if self._token is not None:
@@ -230,7 +234,7 @@ class AccountLock:
             epoch = found
             token = lock_value(self._liveness.holder_id, token)
         try:
-            granted_at = self._take(token, blocking, timeout, started, arrival)
+            granted_at = self._take(token, blocking, timeout, started, arrival, rider)
         except RedisError:
             LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
             raise
@@ -272,11 +276,12 @@ class AccountLock:
         timeout: float | None,
         started: float,
         arrival: Arrival | None = None,
+        rider: Rider | None = None,
     ) -> float | None:
         """Get the Redis lock; the clock reading taken before the granting command, or None."""
         sent = _clock()
         if arrival is not None:
-            if arrival.take(self._redis, self.key, token, self.ttl_ms):
+            if arrival.take(self._redis, self.key, token, self.ttl_ms, rider):
                 return sent
         elif self._redis.set(self.key, token, nx=True, px=self.ttl_ms):
             return sent

@@ -13,9 +13,5 @@
 -- Returns 1 taken (every mark deleted), 0 busy (the mark set). As one script this is the
 -- order the drain relies on: a busy lock's holder either finds the mark after it releases,
 -- or released before this ran and the lock was taken here.
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  redis.call('DEL', unpack(KEYS, 2))
-  return 1
-end
-redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
-return 0
+-- #include lock_take
+return lock_take(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[3], ARGV[4], {unpack(KEYS, 3)})

@@ -15,26 +15,5 @@
 -- slot is further ahead than ARGV[3]: ask again then (a cooldown, or other processes'
 -- leases).
 -- #include now_ms
-local now = now_ms()
-local interval = 1000 / tonumber(ARGV[1])
-local want = tonumber(ARGV[2])
-local ahead = tonumber(ARGV[3])
-local v = redis.call('HMGET', KEYS[1], 'tat', 'until')
-local start = tonumber(v[1]) or now
-local untl = tonumber(v[2]) or 0
-if untl > 0 and start < untl + interval then
-  start = untl + interval
-end
-if start < now then start = now end
-if start - now > ahead then
-  return {0, math.max(1, math.ceil(start - now - ahead))}
-end
-local tat = start + want * interval
-local stored = string.format('%.3f', tat)
-redis.call('HSET', KEYS[1], 'tat', stored)
-local keep = math.ceil(math.max(tat, untl) - now) + 1000
-if redis.call('PTTL', KEYS[1]) < keep then
-  redis.call('PEXPIRE', KEYS[1], keep)
-end
--- a string: Redis would truncate a fractional number to an integer
-return {want, string.format('%.3f', start - now), stored}
+-- #include pace_lease
+return pace_lease(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))

@@ -13,18 +13,5 @@
 --              lock are one step, so no other refresher stored a token in between;
 --   'wait'     another process holds the lock: the token, if any, is still valid (it may
 --              be due, or the rejected one: the caller decides).
-local v = redis.call('HMGET', KEYS[1], 'token', 'lead_ms')
-local pttl = redis.call('PTTL', KEYS[1])
-local token = v[1]
-local lead = tonumber(v[2]) or 0
-if not token or pttl <= 0 then
-  token = ''
-  pttl = 0
-end
-if token ~= '' and token ~= ARGV[3] and pttl > lead then
-  return {'use', token, pttl, lead}
-end
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', tonumber(ARGV[2])) then
-  return {'refresh', token, pttl, lead}
-end
-return {'wait', token, pttl, lead}
+-- #include token_claim
+return token_claim(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), ARGV[3])

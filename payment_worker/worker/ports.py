@@ -15,7 +15,7 @@ from payment_worker.db.work import Claim
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.transitions import ItemOutcome
 from payment_worker.gateway.outcomes import GatewayResult
-from payment_worker.locks.arrival import Arrival
+from payment_worker.locks.arrival import Arrival, Rider
 
 Guard = Callable[[], None]
 """Raises when the caller may no longer send (the lock's ``ensure_held``)."""
@@ -73,10 +73,13 @@ class HeldLock(Protocol):
         timeout: float | None = None,
         arrival: Arrival | None = None,
         fence: bool = True,
+        rider: Rider | None = None,
     ) -> bool:
         """Take the lock (non-blocking by default); ``arrival``'s mark is left when it is not
         taken, and cleared when it is, in the same step. ``fence=False``: no fencing token is
-        taken; the first claim issues it (:meth:`WorkStore.fence_and_claim`)."""
+        taken; the first claim issues it (:meth:`WorkStore.fence_and_claim`). ``rider``:
+        what the gateway reads in that same step when the lock is taken
+        (:meth:`Gateway.account_start`)."""
         ...
 
     def adopt_fence(self, token: int) -> None:
@@ -131,10 +134,18 @@ class Gateway(Protocol):
         """Ask the gateway what it holds under the key; ``guard``, ``held`` as above."""
         ...
 
+    def account_start(self, account_id: str) -> Rider | None:
+        """What the caller's first requests for the account would read from shared state
+        (its token, a block of pacing slots), to read in the lock's own round trip instead;
+        None when nothing needs reading. Whatever the rider leaves unread (a lock not taken
+        by it), the requests read as before."""
+        ...
+
     def done_with(self, account_id: str) -> None:
         """The caller is about to release the account: give back what it reserved for its
-        next requests (pacing slots), so the next holder need not wait for them. Never
-        raises for a shared-state error (at worst the next holder waits)."""
+        next requests (pacing slots, a token refresh it took and did not make), so the next
+        holder need not wait for them. Never raises for a shared-state error (at worst the
+        next holder waits)."""
         ...
 
 

@@ -33,6 +33,7 @@ def code(text: str) -> str:
 
 def test_the_scripts_are_there() -> None:
     assert SCRIPTS == [
+        "account_start",
         "broker_take",
         "lock_cancel",
         "lock_release",
@@ -49,7 +50,14 @@ def test_the_scripts_are_there() -> None:
         "token_release",
         "token_store",
     ]
-    assert LIBS == ["lock_queue", "now_ms", "unacked_record"]
+    assert LIBS == [
+        "lock_queue",
+        "lock_take",
+        "now_ms",
+        "pace_lease",
+        "token_claim",
+        "unacked_record",
+    ]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
