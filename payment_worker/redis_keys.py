@@ -26,7 +26,8 @@ Each entry: key (type, TTL): what it holds; who writes it.
 ``{prefix}:waiting:{acct}`` (string, 4 x ``LOCK_TTL_MS``)
     "Work waiting" left by a task that found the lock busy; value: a batch id. The drain
     loop: set, or deleted with the two marks below when the lock is taken, by the lock
-    attempt's own script (``lock_take.lua``); the holder checks it after releasing.
+    attempt's own script (``lock_take.lua``, the drain's ``account_start.lua``); the holder
+    checks it after releasing.
 ``{prefix}:scheduled:{acct}`` (hash, until its due time + 5 s)
     The account's one delayed message is on its way: ``due`` (ms, Redis server clock),
     ``batch`` (the batch id it carries). The drain loop (``schedule_claim.lua``: an earlier

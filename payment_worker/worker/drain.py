@@ -124,12 +124,8 @@ class Drainer:
             # Redis only: the fencing token is issued by the drain's first claim, in that
             # statement (a token taken here would cost a database round trip of its own);
             # the gateway's token and pacing lease are read in the same round trip
-            acquired = lock.acquire(
-                blocking=False,
-                arrival=arrival,
-                fence=False,
-                rider=self._gateway.account_start(account_id),
-            )
+            rider = self._gateway.account_start(account_id)
+            acquired = lock.acquire(blocking=False, arrival=arrival, fence=False, rider=rider)
             if not acquired:
                 if report.result == "idle":
                     report.result = "contended"
