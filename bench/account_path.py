@@ -21,6 +21,7 @@ import cProfile
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,8 @@ def main() -> int:
             # marks); a pipeline counts once
             trips = [0]
             client = rt.redis
-            command, pipeline = client.execute_command, client.pipeline
+            command: Callable[..., Any] = client.execute_command
+            pipeline = client.pipeline
 
             def counted_command(*a: Any, **k: Any) -> Any:
                 trips[0] += 1
@@ -90,7 +92,7 @@ def main() -> int:
                     trips[0] += 1
                     return run(*ea, **ek)
 
-                pipe.execute = execute
+                pipe.execute = execute  # type: ignore[method-assign]
                 return pipe
 
             client.execute_command = counted_command  # type: ignore[method-assign]
