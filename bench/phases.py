@@ -1,0 +1,153 @@
+"""Where each account's time goes inside the workers: phase stamps (issue 13, a diagnostic).
+
+    .venv/bin/python bench/phases.py [--scenario 4] [-- more bench/throughput.py arguments]
+
+Runs ``bench/throughput.py --scenario N`` (one run, the plain command) with
+``bench/phase_stamps`` on the workers' ``PYTHONPATH``: in each worker process its
+``sitecustomize`` stamps the drain's start and end, the lock taken, the first claim and every
+gateway request sent and answered, per account. Then prints, over the accounts, when each
+phase was reached and how long it took (quantiles 0 / 10 / 50 / 90 / 100 %, seconds from the
+first task's start), and the gaps between an account's payments: its send rate between its
+first and last payment, and how much of the time lost to long gaps falls on a chunk boundary
+(every ``PROCESS_CHUNK_SIZE`` items the holder records and claims). The stamps patch
+internals by name and cost the workers a little CPU: compare runs of this script with each
+other, not with ``bench/throughput.py``'s tables. Uses DATABASE_URL / REDIS_URL as
+``bench/throughput.py`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PHASES = [
+    ("task begins", "task"),
+    ("lock taken", "locked"),
+    ("first claim done", "claimed"),
+    ("first payment sent", "create_sent"),
+    ("first payment answered", "create_answered"),
+    ("drain ends", "end"),
+]
+QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
+LONG_GAP_FACTOR = 1.3  # a gap longer than this many intervals counts as lost time
+
+
+def _q(values: list[float]) -> str:
+    xs = sorted(values)
+    return " / ".join(f"{xs[round(q * (len(xs) - 1))]:.2f}" for q in QUANTILES)
+
+
+def read(directory: Path) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
+    """Each account's first stamp per event, and its payments' send times."""
+    first: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    sends: dict[str, list[float]] = collections.defaultdict(list)
+    for path in directory.glob("ev-*.log"):
+        for line in path.read_text().splitlines():
+            at, event, account = line.split(" ", 2)
+            if event.startswith("unpatched:"):
+                print(f"# not stamped: {event}", file=sys.stderr)
+                continue
+            first[account].setdefault(event, float(at))
+            if event == "create_sent":
+                sends[account].append(float(at))
+    return first, sends
+
+
+def phase_table(first: dict[str, dict[str, float]]) -> list[str]:
+    """When each phase was reached and how long it took, over the accounts that paid."""
+    accounts = [a for a, ev in first.items() if "task" in ev and "create_answered" in ev]
+    if not accounts:
+        return ["no account was stamped from its task to a payment"]
+    t0 = min(first[a]["task"] for a in accounts)
+    rows = [
+        f"{len(accounts)} accounts; seconds, quantiles {' / '.join(f'{q:.0%}' for q in QUANTILES)}",
+        "",
+        "| phase | reached at | since the phase before |",
+        "|---|---|---|",
+    ]
+    before = None
+    for label, event in PHASES:
+        have = [a for a in accounts if event in first[a]]
+        at = _q([first[a][event] - t0 for a in have])
+        took = "-" if before is None else _q([first[a][event] - first[a][before] for a in have])
+        rows.append(f"| {label} | {at} | {took} |")
+        before = event
+    return rows
+
+
+def gap_table(sends: dict[str, list[float]], rate: float, chunk: int) -> list[str]:
+    """Each account's payments: its rate between the first and the last, and the long gaps."""
+    interval = 1.0 / rate
+    rates, lost_boundary, lost_elsewhere, gaps = [], 0.0, 0.0, []
+    for times in sends.values():
+        times.sort()
+        if len(times) < 2:
+            continue
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+        for i, (a, b) in enumerate(itertools.pairwise(times), start=1):
+            gap = b - a
+            gaps.append(gap * 1000)
+            if gap > LONG_GAP_FACTOR * interval:
+                if i % chunk == 0:
+                    lost_boundary += gap - interval
+                else:
+                    lost_elsewhere += gap - interval
+    if not rates:
+        return ["no account sent two payments"]
+    n = len(rates)
+    rows = [
+        f"payments per second per account, between its first and last: {_q(rates)} "
+        f"(quota {rate:g})",
+        f"gaps between an account's payments, ms: {_q(gaps)}",
+    ]
+    if sorted(gaps)[len(gaps) // 2] > 2000 * interval:
+        # the gateway's latency spaces the payments, not the quota: no pacing loss to count
+        return [*rows, "the median gap is over two quota intervals: latency-bound, no loss counted"]
+    return [
+        *rows,
+        f"time lost per account to gaps over {LONG_GAP_FACTOR:g} intervals: at a chunk boundary "
+        f"(every {chunk} items) {lost_boundary / n:.3f} s, elsewhere {lost_elsewhere / n:.3f} s",
+    ]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scenario", type=int, default=4)
+    p.add_argument("--rate", type=float, default=100.0, help="as bench/throughput.py's")
+    p.add_argument("rest", nargs="*", help="after --: more bench/throughput.py arguments")
+    args = p.parse_args()
+    sys.path.insert(0, str(HERE.parent))
+    from payment_worker.settings import load_settings
+
+    chunk = load_settings().process_chunk_size
+    with tempfile.TemporaryDirectory(prefix="pw-phases-") as tmp:
+        env = dict(os.environ, PW_PHASES_DIR=tmp)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(HERE / "phase_stamps"), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        command = [sys.executable, str(HERE / "throughput.py"), "--scenario", str(args.scenario)]
+        command += ["--rate", f"{args.rate:g}", *args.rest]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        for line in done.stdout.splitlines():
+            if line.startswith(("# throughput", f"| {args.scenario}.")):
+                print(line)
+        if done.returncode != 0:
+            print(done.stderr[-2000:], file=sys.stderr)
+            return done.returncode
+        first, sends = read(Path(tmp))
+    print()
+    print("\n".join(phase_table(first)))
+    print()
+    print("\n".join(gap_table(sends, args.rate, chunk)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
