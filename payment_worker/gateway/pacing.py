@@ -26,7 +26,11 @@ them locally without another round trip:
 * **A lock holder past its lease keeps its own spacing** (``held=True``: the caller holds
   the account's lock, so nobody else sends for the account until it is done). Once its
   lease is spent or its window over, its next request needs no script: it goes one
-  interval or more after its own last one, on the local clock. Redis learns the holder's
+  interval after its previous slot on the local clock, and never less than half an
+  interval after its last request, so a thread that wakes a little late (a core or the GIL
+  taken) makes the delay up instead of adding it to every interval, while no span of L
+  seconds holds more than rate x L + 1.5 of its requests (rate x L + 1 spaced from each
+  use: the same whole number for a whole second at a whole rate). Redis learns the holder's
   spacing when it is done (:meth:`Pacer.give_back` sets the first free slot one interval
   from then, when its last request is less than an interval back). A holder at real gateway
   latency (one request per second, a quota of 20/s) thus runs one script per drain instead
@@ -88,6 +92,7 @@ class _Lease:
     used: int = 0
     tat: bytes | None = None  # the account's first free slot after this lease, as stored
     kept: bool = False  # a lock holder went on past the lease, on its own spacing
+    last_use: float = float("-inf")  # when the last slot was used (the request let go)
 
 
 class Pacer:
@@ -280,21 +285,28 @@ class Pacer:
             return at - now
         lease.left -= 1
         lease.used += 1
+        lease.last_use = now
         lease.next_at = now + interval  # spaced from this use, never bunched after a delay
         return 0.0
 
     @staticmethod
     def _keep(lease: _Lease, interval: float, now: float) -> float | None:
         """With ``_lock`` held, for a caller that holds the account's lock and is past a lease
-        it used: 0.0 (a slot taken, an interval or more after its last), the wait for that
-        slot, or None (no such lease: a script decides)."""
+        it used: 0.0 (a slot taken, one interval after the previous slot and at least half
+        an interval after the last use), the wait for that slot, or None (no such lease: a
+        script decides)."""
         if lease.used == 0 or lease.interval != interval:
             return None
         if lease.next_at > now:
             return lease.next_at - now
         lease.used += 1
         lease.kept = True
-        lease.next_at = now + interval
+        lease.last_use = now
+        # one interval after the previous slot, so a use delayed by less than half an
+        # interval (a core or the GIL taken) is made up, not added to the spacing; never
+        # less than half an interval after this use: uses i < j stay (j - i - 1/2) intervals
+        # apart, at most rate x L + 1.5 in any span of L seconds (rate x L + 1 before)
+        lease.next_at = max(lease.next_at + interval, now + interval / 2)
         return 0.0
 
     def _sweep(self, now: float) -> None:
@@ -342,7 +354,7 @@ class Pacer:
             return False
         now = self._clock()
         if lease.kept:
-            if lease.next_at <= now:
+            if lease.last_use + 1.0 / rate <= now:
                 return False  # its last request is an interval back: any next one may go
         elif lease.left <= 0 or lease.end <= now:
             return False  # spent, or the window is over: the timeline has passed it already
