@@ -254,7 +254,7 @@ class Pacer:
             if closed is not None and closed > now:
                 return None
             last = self._leases.get(account_id)
-            if last is not None and max(last.end, last.next_at) > now:
+            if last is not None and _spent_by(last) > now:
                 return None
         n, reach_ms = self._reach(rate, 1.0 / rate, last, now)
         return rate, n, reach_ms
@@ -310,8 +310,8 @@ class Pacer:
         return 0.0
 
     def _sweep(self, now: float) -> None:
-        # a lease whose last slot is less than an interval back still spaces the next one
-        expired = [a for a, lease in self._leases.items() if max(lease.end, lease.next_at) <= now]
+        # a lease whose last use is less than an interval back still spaces the next one
+        expired = [a for a, lease in self._leases.items() if _spent_by(lease) <= now]
         for account_id in expired:
             del self._leases[account_id]
         for account_id in [a for a, until in self._closed.items() if until <= now]:
@@ -368,6 +368,12 @@ class Pacer:
             self._closed.pop(account_id, None)
         ms = max(1, int(seconds * 1000))
         return int(self._cooldown(keys=[self.key(account_id)], args=[ms])) / 1000.0
+
+
+def _spent_by(lease: _Lease) -> float:
+    """When a lease stops mattering: its window over, its next slot due, and its last use an
+    interval back (a next lease from Redis then keeps the interval by itself)."""
+    return max(lease.end, lease.next_at, lease.last_use + lease.interval)
 
 
 def _as_bytes(value: bytes | str) -> bytes:

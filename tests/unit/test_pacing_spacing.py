@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from payment_worker.gateway.pacing import Pacer, _Lease
+from payment_worker.gateway.pacing import Pacer, _Lease, _spent_by
 
 RATE = 100.0
 INTERVAL = 1.0 / RATE
@@ -63,3 +63,15 @@ def test_random_delays_never_crowd_a_span(seed: int) -> None:
     for span in (0.05, 0.2, 1.0):
         # never more than the quota's share of the span plus one and a half requests
         assert _most_in_any_span(uses, span) <= int(RATE * span + 1.5 + 1e-9)
+
+
+def test_a_lease_matters_until_its_last_use_is_an_interval_back() -> None:
+    """A process sweeps (or a drain's start replaces) only leases that no longer space the
+    next request: one swept at its next slot, half an interval after a late use, would let
+    a fresh lease from Redis send then."""
+    uses = _uses([0.0, 0.0, 0.050])  # the last use 50 ms late: its next slot half an interval on
+    lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
+    for at in uses:
+        assert Pacer._keep(lease, INTERVAL, at) == 0.0
+    assert lease.next_at == pytest.approx(uses[-1] + INTERVAL / 2)
+    assert _spent_by(lease) == pytest.approx(uses[-1] + INTERVAL)
