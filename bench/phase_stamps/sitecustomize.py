@@ -29,17 +29,21 @@ def _install() -> None:
     def stamp(event: str, account: object) -> None:
         out.write(f"{time.time():.5f} {event} {account}\n")
 
-    def drain(mod: ModuleType) -> None:
-        run = mod.Drainer.run_account
+    def around(owner: Any, name: str, begin: str, finish: str) -> None:
+        """Stamp ``begin`` and ``finish`` around a method whose first argument is the account."""
+        method = getattr(owner, name)
 
-        def run_account(self: Any, account_id: str, batch_id: str) -> Any:
-            stamp("task", account_id)
+        def wrapped(self: Any, account_id: str, *a: Any, **k: Any) -> Any:
+            stamp(begin, account_id)
             try:
-                return run(self, account_id, batch_id)
+                return method(self, account_id, *a, **k)
             finally:
-                stamp("end", account_id)
+                stamp(finish, account_id)
 
-        mod.Drainer.run_account = run_account
+        setattr(owner, name, wrapped)
+
+    def drain(mod: ModuleType) -> None:
+        around(mod.Drainer, "run_account", "task", "end")
 
     def lock(mod: ModuleType) -> None:
         acquire = mod.AccountLock.acquire
@@ -52,16 +56,7 @@ def _install() -> None:
         mod.AccountLock.acquire = wrapped
 
     def work(mod: ModuleType) -> None:
-        claim = mod.PgWorkStore.fence_and_claim
-
-        def wrapped(self: Any, account_id: str, limit: int) -> Any:
-            stamp("claim", account_id)
-            try:
-                return claim(self, account_id, limit)
-            finally:
-                stamp("claimed", account_id)
-
-        mod.PgWorkStore.fence_and_claim = wrapped
+        around(mod.PgWorkStore, "fence_and_claim", "claim", "claimed")
 
     def client(mod: ModuleType) -> None:
         from structlog.contextvars import get_contextvars
