@@ -354,7 +354,7 @@ class Pacer:
             return False
         now = self._clock()
         if lease.kept:
-            if lease.last_use + 1.0 / rate <= now:
+            if lease.last_use + lease.interval <= now:
                 return False  # its last request is an interval back: any next one may go
         elif lease.left <= 0 or lease.end <= now:
             return False  # spent, or the window is over: the timeline has passed it already
