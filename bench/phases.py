@@ -44,20 +44,27 @@ def _q(values: list[float]) -> str:
     return " / ".join(f"{xs[round(q * (len(xs) - 1))]:.2f}" for q in QUANTILES)
 
 
-def read(directory: Path) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
-    """Each account's first stamp per event, and its payments' send times."""
+def read(
+    directory: Path,
+) -> tuple[dict[str, dict[str, float]], dict[str, list[float]], dict[str, str]]:
+    """Each account's first stamp per event, its payments' send times, and the worker
+    process (pid) that drained it."""
     first: dict[str, dict[str, float]] = collections.defaultdict(dict)
     sends: dict[str, list[float]] = collections.defaultdict(list)
+    owner: dict[str, str] = {}
     for path in directory.glob("ev-*.log"):
+        pid = path.stem.removeprefix("ev-")
         for line in path.read_text().splitlines():
             at, event, account = line.split(" ", 2)
             if event.startswith("unpatched:"):
                 print(f"# not stamped: {event}", file=sys.stderr)
                 continue
             first[account].setdefault(event, float(at))
+            if event == "task":
+                owner.setdefault(account, pid)
             if event == "create_sent":
                 sends[account].append(float(at))
-    return first, sends
+    return first, sends, owner
 
 
 def phase_table(first: dict[str, dict[str, float]]) -> list[str]:
@@ -79,6 +86,24 @@ def phase_table(first: dict[str, dict[str, float]]) -> list[str]:
         took = "-" if before is None else _q([first[a][event] - first[a][before] for a in have])
         rows.append(f"| {label} | {at} | {took} |")
         before = event
+    return rows
+
+
+def worker_table(first: dict[str, dict[str, float]], owner: dict[str, str]) -> list[str]:
+    """Per worker process: how many accounts it drained, and when their drains ended."""
+    ended = [a for a, ev in first.items() if "task" in ev and "end" in ev and a in owner]
+    if not ended:
+        return []
+    t0 = min(first[a]["task"] for a in ended)
+    rows = [
+        "| worker pid | accounts | task begins at | drain ends at |",
+        "|---|---|---|---|",
+    ]
+    for pid in sorted({owner[a] for a in ended}):
+        mine = [a for a in ended if owner[a] == pid]
+        begins = _q([first[a]["task"] - t0 for a in mine])
+        ends = _q([first[a]["end"] - t0 for a in mine])
+        rows.append(f"| {pid} | {len(mine)} | {begins} | {ends} |")
     return rows
 
 
@@ -141,9 +166,11 @@ def main() -> int:
         if done.returncode != 0:
             print(done.stderr[-2000:], file=sys.stderr)
             return done.returncode
-        first, sends = read(Path(tmp))
+        first, sends, owner = read(Path(tmp))
     print()
     print("\n".join(phase_table(first)))
+    print()
+    print("\n".join(worker_table(first, owner)))
     print()
     print("\n".join(gap_table(sends, args.rate, chunk)))
     return 0
