@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 import psycopg
 import pytest
@@ -90,6 +90,17 @@ def logged_events(log: Path, name: str) -> list[dict[str, object]]:
         if isinstance(entry, dict) and entry.get("event") == name:
             found.append(entry)
     return found
+
+
+def submit_accounts(accounts: int, items: int, prefix: str) -> list[dict[str, Any]]:
+    """One batch of ``items`` per account, accepted and not enqueued (a test drains them)."""
+    from payment_worker.dev.samples import make_batches
+    from payment_worker.producer.submit import submit_batch
+
+    batches = make_batches(batches=accounts, items=items, accounts=accounts, prefix=prefix)
+    for b in batches:
+        assert submit_batch(b, enqueue=False).status == "accepted"
+    return batches
 
 
 def _unavailable(service: str, error: BaseException, *, url_set: bool) -> NoReturn:

@@ -366,6 +366,9 @@ class FakeGateway:
     def account_start(self, account_id: str) -> Rider | None:
         return None  # nothing shared to read: the fake keeps no token or pacing
 
+    def prefetch_token(self, account_id: str) -> None:
+        pass  # no token to ask for: the fake keeps none
+
     def done_with(self, account_id: str) -> None:
         self.done.append(account_id)
 

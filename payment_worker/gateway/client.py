@@ -41,7 +41,7 @@ from payment_worker.gateway.outcomes import (
     not_sent,
 )
 from payment_worker.gateway.pacing import Pacer
-from payment_worker.gateway.tokens import TokenManager
+from payment_worker.gateway.tokens import SentRequest, TokenManager
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     GATEWAY_ENDPOINTS,
@@ -96,6 +96,7 @@ class GatewayClient:
         self.tokens = TokenManager(
             redis,
             self._fetch_token,
+            send=self._send_token,
             prefix=s.redis_key_prefix,
             refresh_fraction=s.gateway_token_refresh_fraction,
             # longer than one token request can take, so a live refresher keeps the lock
@@ -128,11 +129,7 @@ class GatewayClient:
 
         Raises httpx's :class:`~httpx.TransportError` subclasses, by phase (see
         :mod:`payment_worker.gateway.connection`)."""
-        hdrs = {**self._common, **headers}
-        content: bytes | None = None
-        if body is not None:
-            content = json.dumps(body, separators=(",", ":")).encode()
-            hdrs["Content-Type"] = "application/json"
+        hdrs, content = self._encode(headers, body)
         conn = self._checkout()
         try:
             return conn.request(method, self._prefix + path, hdrs, content)
@@ -143,6 +140,14 @@ class GatewayClient:
             raise
         finally:
             self._idle.append(conn)
+
+    def _encode(self, headers: dict[str, str], body: Any) -> tuple[dict[str, str], bytes | None]:
+        hdrs = {**self._common, **headers}
+        content: bytes | None = None
+        if body is not None:
+            content = json.dumps(body, separators=(",", ":")).encode()
+            hdrs["Content-Type"] = "application/json"
+        return hdrs, content
 
     # --- the protocol -----------------------------------------------------------------
     def create_payment(
@@ -213,6 +218,14 @@ class GatewayClient:
         if token is None and pace is None:
             return None
         return StartRider(self, account_id, token, pace)
+
+    def prefetch_token(self, account_id: str) -> None:
+        """The lock holder is about to claim its first items: a token refresh its start took
+        (:meth:`account_start`) is sent now, so the token's answer arrives while the claim
+        runs, and the first request reads it instead of sending one
+        (:meth:`TokenManager.prefetch`). Never raises: a failed send is the first request's
+        failure, as if it had sent it."""
+        self.tokens.prefetch(account_id)
 
     def done_with(self, account_id: str) -> None:
         """The caller is about to release the account: this process's unused pacing slots of
@@ -340,12 +353,45 @@ class GatewayClient:
         return result
 
     def _fetch_token(self, account_id: str) -> httpx.Response:
+        return self._send_token(account_id).read()
+
+    def _send_token(self, account_id: str) -> SentRequest:
+        """``POST /oauth/token`` sent now; its answer read by the result's ``read``, on the
+        same connection, which goes back to the pool then (and only then)."""
         body: dict[str, Any] = {
             "grant_type": "client_credentials",
             "client_id": account_id,
             "client_secret": _secret(self._settings),
         }
-        return self._request("POST", "/oauth/token", {}, body).response()
+        hdrs, content = self._encode({}, body)
+        sent_at = time.monotonic()
+        conn = self._checkout()
+        try:
+            conn.send("POST", self._prefix + "/oauth/token", hdrs, content)
+        except BaseException as exc:
+            # send() closes the socket on the errors it raises; a request half written must
+            # not be followed by another on this connection either
+            conn.close()
+            self._idle.append(conn)
+            if not isinstance(exc, Exception):
+                raise
+            error = exc
+
+            def failed() -> httpx.Response:
+                raise error
+
+            return SentRequest(sent_at, failed)
+
+        def read() -> httpx.Response:
+            try:
+                return conn.receive("POST").response()
+            except BaseException:
+                conn.close()
+                raise
+            finally:
+                self._idle.append(conn)
+
+        return SentRequest(sent_at, read)
 
 
 class StartRider:

@@ -307,6 +307,12 @@ class GatewayConnection:
         self, method: str, target: str, headers: dict[str, str], body: bytes | None
     ) -> Answer:
         """Send one request and read its answer in full; raises httpx's transport errors."""
+        self.send(method, target, headers, body)
+        return self.receive(method)
+
+    def send(self, method: str, target: str, headers: dict[str, str], body: bytes | None) -> None:
+        """Send one request, connecting first when needed; raises httpx's transport errors.
+        Its answer is read by :meth:`receive`, before anything else is sent here."""
         try:
             data = request_bytes(method, target, headers, body, self._host)
         except ValueError as exc:  # a field that would break the framing: nothing is sent,
@@ -337,6 +343,14 @@ class GatewayConnection:
         except OSError as exc:
             conn.close()
             raise httpx.WriteError(f"send: {type(exc).__name__}: {exc}") from exc
+
+    def receive(self, method: str) -> Answer:
+        """Read the answer of the request :meth:`send` sent, in full; raises httpx's
+        transport errors."""
+        conn = self._conn
+        sock = conn.sock
+        if sock is None:  # closed since the send (a failed send raised already)
+            raise httpx.ReadError("answer: the connection is closed")
         try:
             # what http.client's getresponse does, without its request state machine
             response = _Response(sock, method=method)

@@ -16,6 +16,11 @@ that many accounts issued together do not all come due together. While one proce
 refreshes, the others keep using the current token if it is still valid, or wait for the
 new one. After a 401 the client calls :meth:`TokenManager.get` with ``rejected`` set to
 the token that failed: a refresh happens only if that token is still the cached one.
+
+A lock holder's drain takes the refresh lock in its start script (:meth:`TokenManager.started`)
+and sends the token request before its first claim (:meth:`TokenManager.prefetch`): the
+gateway's latency is spent while Postgres answers, and the first :meth:`TokenManager.get`
+reads the answer.
 """
 
 from __future__ import annotations
@@ -72,11 +77,25 @@ class CachedToken:
 TokenFetcher = Callable[[str], "httpx.Response"]
 
 
+@dataclass(frozen=True, slots=True)
+class SentRequest:
+    """A token request already sent, its answer not read yet (:meth:`TokenManager.prefetch`).
+    ``read`` returns the answer or raises httpx's transport errors; it is called once."""
+
+    sent_at: float  # time.monotonic() before the request left: the token's lifetime starts after
+    read: Callable[[], httpx.Response]
+
+
+#: sends an account's ``POST /oauth/token`` now; the answer is read later
+TokenSender = Callable[[str], SentRequest]
+
+
 class TokenManager:
     """Gets an account's shared token from Redis, refreshing it through the gateway when due.
 
     Thread-safe; one per process is enough. ``fetch`` performs ``POST /oauth/token`` for an
-    account and returns the raw response (the client owns the HTTP connection pool).
+    account and returns the raw response (the client owns the HTTP connection pool);
+    ``send``, when given, sends it without waiting for the answer (:meth:`prefetch`).
     """
 
     def __init__(
@@ -87,9 +106,11 @@ class TokenManager:
         refresh_fraction: float = 0.2,
         lock_ttl: float = 10.0,
         poll_interval: float = 0.01,
+        send: TokenSender | None = None,
     ) -> None:
         self._redis = redis_client
         self._fetch = fetch
+        self._send = send
         self._keys = RedisKeys(prefix)
         self._fraction = refresh_fraction
         self._lock_ttl_ms = max(1000, int(lock_ttl * 1000))
@@ -105,6 +126,8 @@ class TokenManager:
         # account -> the owner value of a refresh lock taken at the lock holder's start
         # (account_start.lua) and not yet used: the next get() refreshes under it
         self._started: dict[str, str] = {}
+        # account -> the token request sent under that refresh lock, answer not yet read
+        self._sent: dict[str, SentRequest] = {}
 
     # --- keys ---------------------------------------------------------------------------
     def token_key(self, account_id: str) -> str:
@@ -156,12 +179,28 @@ class TokenManager:
         elif _s(verdict) == "use" and token:
             self._remember(account_id, _s(token), int(pttl) - int(lead))
 
+    def prefetch(self, account_id: str) -> bool:
+        """Send the token request of a refresh lock the start took, now, without waiting:
+        its answer comes while the caller does other work (the drain's first claim), and
+        the next :meth:`get` reads it instead of sending one. True when a request was sent
+        (or its send failed: the next :meth:`get` meets the failure as its own)."""
+        if self._send is None or account_id not in self._started or account_id in self._sent:
+            return False
+        self._sent[account_id] = self._send(account_id)
+        return True
+
     def release_started(self, account_id: str) -> bool:
         """Release a refresh lock taken at the start and not used (the holder sent nothing),
-        so that no other process waits for its TTL. True when there was one."""
+        so that no other process waits for its TTL. A token request already sent for it is
+        read and its token stored, as a refresh would (the gateway revoked the earlier
+        token when it issued it). True when there was one."""
         owner = self._started.pop(account_id, None)
+        sent = self._sent.pop(account_id, None)
         if owner is None:
             return False
+        if sent is not None:
+            self._refresh_owned(account_id, owner, sent)
+            return True
         self._release(keys=[self.lock_key(account_id)], args=[owner])
         return True
 
@@ -179,8 +218,9 @@ class TokenManager:
                 return hit[0]
             started = self._started.pop(account_id, None)
             if started is not None:
-                # the lock holder's start took the refresh lock: no second read
-                return self._refresh_owned(account_id, started)
+                # the lock holder's start took the refresh lock: no second read, and
+                # perhaps its request already sent
+                return self._refresh_owned(account_id, started, self._sent.pop(account_id, None))
         else:
             self._local.pop(account_id, None)
         deadline = time.monotonic() + self._lock_ttl_ms / 1000.0 + 2.0
@@ -201,12 +241,15 @@ class TokenManager:
             time.sleep(self._poll)
 
     # --- internals ----------------------------------------------------------------------
-    def _refresh_owned(self, account_id: str, owner: str) -> str | GatewayResult:
-        """Refresh under the refresh lock ``owner`` holds; the lock is released whatever
-        happens (by the store, or here)."""
+    def _refresh_owned(
+        self, account_id: str, owner: str, sent: SentRequest | None = None
+    ) -> str | GatewayResult:
+        """Refresh under the refresh lock ``owner`` holds (reading the answer of ``sent``,
+        a request already sent, when given); the lock is released whatever happens (by the
+        store, or here)."""
         stored = False
         try:
-            token, stored = self._refresh(account_id, owner)
+            token, stored = self._refresh(account_id, owner, sent)
             return token
         finally:
             if not stored:
@@ -225,12 +268,15 @@ class TokenManager:
         found = CachedToken(_s(token), int(pttl), int(lead)) if token else None
         return _s(verdict), found
 
-    def _refresh(self, account_id: str, owner: str) -> tuple[str | GatewayResult, bool]:
-        """Fetch and store a new token under the refresh lock ``owner`` holds; the result,
-        and whether it was stored (the store releases the lock)."""
-        t0 = time.monotonic()
+    def _refresh(
+        self, account_id: str, owner: str, sent: SentRequest | None = None
+    ) -> tuple[str | GatewayResult, bool]:
+        """Fetch (or read the answer of ``sent``) and store a new token under the refresh
+        lock ``owner`` holds; the result, and whether it was stored (the store releases the
+        lock)."""
+        t0 = time.monotonic() if sent is None else sent.sent_at
         try:
-            resp = self._fetch(account_id)
+            resp = self._fetch(account_id) if sent is None else sent.read()
         except httpx.TransportError as exc:
             GATEWAY_TOKEN_REFRESHES.labels(result="transport_error").inc()
             res = classify_transport_error(exc)

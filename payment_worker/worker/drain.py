@@ -133,6 +133,10 @@ class Drainer:
             started = self._clock()
             IN_PROGRESS.inc()
             try:
+                # a token the start found needed is asked for now: its answer comes back
+                # while the first claim runs (read, and its lock let go, by done_with at
+                # the latest)
+                self._gateway.prefetch_token(account_id)
                 self._drain(lock, batch_id, report)  # everything committed so far
             finally:
                 IN_PROGRESS.dec()

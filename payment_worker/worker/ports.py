@@ -141,6 +141,12 @@ class Gateway(Protocol):
         by it), the requests read as before."""
         ...
 
+    def prefetch_token(self, account_id: str) -> None:
+        """The caller holds the account's lock and is about to claim its first items: a
+        token request its start found needed is sent now, its answer read by the first
+        request (the gateway's latency spent while the claim runs). Never raises."""
+        ...
+
     def done_with(self, account_id: str) -> None:
         """The caller is about to release the account: give back what it reserved for its
         next requests (pacing slots, a token refresh it took and did not make), so the next

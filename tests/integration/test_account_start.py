@@ -16,7 +16,7 @@ from payment_worker.dev.samples import make_batches
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker import drain
 from payment_worker.worker.queueing import RedisAccountQueue
-from tests.conftest import PwEnv
+from tests.conftest import PwEnv, submit_accounts
 from tests.sim_fixtures import SimHandle
 
 pytestmark = pytest.mark.integration
@@ -49,17 +49,10 @@ def commands(res: runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     yield sent
 
 
-def _submit(accounts: int, items: int, prefix: str) -> list[dict[str, Any]]:
-    batches = make_batches(batches=accounts, items=items, accounts=accounts, prefix=prefix)
-    for b in batches:
-        assert submit_batch(b, enqueue=False).status == "accepted"
-    return batches
-
-
 def test_a_fresh_account_starts_in_one_round_trip_and_refreshes_under_its_lock(
     res: runtime.Runtime, gateway_sim: SimHandle, commands: list[str]
 ) -> None:
-    [warm, batch] = _submit(2, 3, "start")
+    [warm, batch] = submit_accounts(2, 3, "start")
     drain.run_account(warm["account_id"], warm["batch_id"], res)  # scripts loaded once
     commands.clear()
     report = drain.run_account(batch["account_id"], batch["batch_id"], res)
@@ -78,7 +71,7 @@ def test_a_fresh_account_starts_in_one_round_trip_and_refreshes_under_its_lock(
 def test_an_account_whose_token_this_process_knows_reads_only_the_lease(
     res: runtime.Runtime, gateway_sim: SimHandle, commands: list[str]
 ) -> None:
-    [batch] = _submit(1, 2, "known")
+    [batch] = submit_accounts(1, 2, "known")
     acct = batch["account_id"]
     drain.run_account(acct, batch["batch_id"], res)
     [more] = make_batches(batches=1, items=2, accounts=1, prefix="known2")
