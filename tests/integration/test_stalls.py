@@ -212,8 +212,11 @@ def test_a_holder_blocked_in_postgres_is_taken_over_behind_the_fence(
     blocker = psycopg.connect(pw_env.database_url)
     threads = []
     try:
-        # somebody's long transaction: every claim waits on the table
-        blocker.execute("LOCK TABLE transactions IN EXCLUSIVE MODE")
+        # somebody's long transaction holds the batch's row: a first claim issues its fencing
+        # token, claims, and then waits to mark the batch started. (A lock on a whole table
+        # would stop the claim's statement before its fence, and two claims released
+        # together would race for the older token.)
+        blocker.execute("SELECT 1 FROM batches WHERE batch_id = %s FOR UPDATE", (batch_id,))
         before = _lost("stalled")
         started = time.monotonic()
         threads.append(run("first"))
@@ -227,7 +230,7 @@ def test_a_holder_blocked_in_postgres_is_taken_over_behind_the_fence(
         monkeypatch.setattr(rt.settings, "lock_max_stall_seconds", 120.0)
         threads.append(run("second"))
         # the second's first claim waits for the first's: the first claim issued its token
-        # (uncommitted) before it blocked on the table, the second's waits on that fence row
+        # (uncommitted) before it blocked on the batch, the second's waits on that fence row
         wait_until(lambda: waiting_on_locks() == 2, 5, "the second holder to block too")
         assert lock_is_held(rt.redis, ACCT)
     finally:
