@@ -129,25 +129,47 @@ class GatewayClient:
 
         Raises httpx's :class:`~httpx.TransportError` subclasses, by phase (see
         :mod:`payment_worker.gateway.connection`)."""
-        hdrs, content = self._encode(headers, body)
-        conn = self._checkout()
-        try:
-            return conn.request(method, self._prefix + path, hdrs, content)
-        except BaseException:
-            # request() closes the socket on every error it raises; anything else may have
-            # left an answer half read, which the next request must not see
-            conn.close()
-            raise
-        finally:
-            self._idle.append(conn)
+        return self._begin(method, path, headers, body)()
 
-    def _encode(self, headers: dict[str, str], body: Any) -> tuple[dict[str, str], bytes | None]:
+    def _begin(
+        self, method: str, path: str, headers: dict[str, str], body: Any = None
+    ) -> Callable[[], Answer]:
+        """Send one request now; the returned call reads its answer in full (once), and only
+        then does the connection go back to the pool. A send that failed raises there."""
         hdrs = {**self._common, **headers}
         content: bytes | None = None
         if body is not None:
             content = json.dumps(body, separators=(",", ":")).encode()
             hdrs["Content-Type"] = "application/json"
-        return hdrs, content
+        conn = self._checkout()
+        try:
+            conn.send(method, self._prefix + path, hdrs, content)
+        except BaseException as exc:
+            # send() closes the socket on the errors it raises; anything else may have left
+            # a request half written, which must not be followed by another here
+            conn.close()
+            self._idle.append(conn)
+            if not isinstance(exc, Exception):
+                raise
+            error = exc
+
+            def failed() -> Answer:
+                raise error
+
+            return failed
+
+        def read() -> Answer:
+            try:
+                return conn.receive(method)
+            except BaseException:
+                # receive() closes the socket on the errors it raises; anything else may
+                # have left an answer half read, which the next request must not see
+                conn.close()
+                raise
+            finally:
+                self._idle.append(conn)
+
+        return read
 
     # --- the protocol -----------------------------------------------------------------
     def create_payment(
@@ -363,35 +385,9 @@ class GatewayClient:
             "client_id": account_id,
             "client_secret": _secret(self._settings),
         }
-        hdrs, content = self._encode({}, body)
         sent_at = time.monotonic()
-        conn = self._checkout()
-        try:
-            conn.send("POST", self._prefix + "/oauth/token", hdrs, content)
-        except BaseException as exc:
-            # send() closes the socket on the errors it raises; a request half written must
-            # not be followed by another on this connection either
-            conn.close()
-            self._idle.append(conn)
-            if not isinstance(exc, Exception):
-                raise
-            error = exc
-
-            def failed() -> httpx.Response:
-                raise error
-
-            return SentRequest(sent_at, failed)
-
-        def read() -> httpx.Response:
-            try:
-                return conn.receive("POST").response()
-            except BaseException:
-                conn.close()
-                raise
-            finally:
-                self._idle.append(conn)
-
-        return SentRequest(sent_at, read)
+        answer = self._begin("POST", "/oauth/token", {}, body)
+        return SentRequest(sent_at, lambda: answer().response())
 
 
 class StartRider:

@@ -90,6 +90,15 @@ class SentRequest:
 TokenSender = Callable[[str], SentRequest]
 
 
+@dataclass(slots=True)
+class _Started:
+    """A refresh lock the holder's start took: its owner value, and the token request sent
+    under it (:meth:`TokenManager.prefetch`), if any."""
+
+    owner: str
+    sent: SentRequest | None = None
+
+
 class TokenManager:
     """Gets an account's shared token from Redis, refreshing it through the gateway when due.
 
@@ -123,11 +132,10 @@ class TokenManager:
         # it (all judge "due" by the same lead stored with the token), so reading Redis on
         # every call would only cost a round trip; a 401 bypasses this copy.
         self._local: dict[str, tuple[str, float]] = {}
-        # account -> the owner value of a refresh lock taken at the lock holder's start
-        # (account_start.lua) and not yet used: the next get() refreshes under it
-        self._started: dict[str, str] = {}
-        # account -> the token request sent under that refresh lock, answer not yet read
-        self._sent: dict[str, SentRequest] = {}
+        # account -> a refresh lock taken at the lock holder's start (account_start.lua) and
+        # not yet used: the next get() refreshes under it, reading the answer of the token
+        # request already sent under it, if any
+        self._started: dict[str, _Started] = {}
 
     # --- keys ---------------------------------------------------------------------------
     def token_key(self, account_id: str) -> str:
@@ -175,7 +183,7 @@ class TokenManager:
         as :meth:`get` keeps one; a refresh lock taken is kept for the next :meth:`get`."""
         verdict, token, pttl, lead = reply
         if _s(verdict) == "refresh":
-            self._started[account_id] = owner
+            self._started[account_id] = _Started(owner)
         elif _s(verdict) == "use" and token:
             self._remember(account_id, _s(token), int(pttl) - int(lead))
 
@@ -184,9 +192,10 @@ class TokenManager:
         its answer comes while the caller does other work (the drain's first claim), and
         the next :meth:`get` reads it instead of sending one. True when a request was sent
         (or its send failed: the next :meth:`get` meets the failure as its own)."""
-        if self._send is None or account_id not in self._started or account_id in self._sent:
+        started = self._started.get(account_id)
+        if self._send is None or started is None or started.sent is not None:
             return False
-        self._sent[account_id] = self._send(account_id)
+        started.sent = self._send(account_id)
         return True
 
     def release_started(self, account_id: str) -> bool:
@@ -194,14 +203,13 @@ class TokenManager:
         so that no other process waits for its TTL. A token request already sent for it is
         read and its token stored, as a refresh would (the gateway revoked the earlier
         token when it issued it). True when there was one."""
-        owner = self._started.pop(account_id, None)
-        sent = self._sent.pop(account_id, None)
-        if owner is None:
+        started = self._started.pop(account_id, None)
+        if started is None:
             return False
-        if sent is not None:
-            self._refresh_owned(account_id, owner, sent)
-            return True
-        self._release(keys=[self.lock_key(account_id)], args=[owner])
+        if started.sent is not None:
+            self._refresh_owned(account_id, started.owner, started.sent)
+        else:
+            self._release(keys=[self.lock_key(account_id)], args=[started.owner])
         return True
 
     # --- the one entry point -----------------------------------------------------------
@@ -220,7 +228,7 @@ class TokenManager:
             if started is not None:
                 # the lock holder's start took the refresh lock: no second read, and
                 # perhaps its request already sent
-                return self._refresh_owned(account_id, started, self._sent.pop(account_id, None))
+                return self._refresh_owned(account_id, started.owner, started.sent)
         else:
             self._local.pop(account_id, None)
         deadline = time.monotonic() + self._lock_ttl_ms / 1000.0 + 2.0
@@ -274,9 +282,11 @@ class TokenManager:
         """Fetch (or read the answer of ``sent``) and store a new token under the refresh
         lock ``owner`` holds; the result, and whether it was stored (the store releases the
         lock)."""
-        t0 = time.monotonic() if sent is None else sent.sent_at
+        if sent is None:
+            sent = SentRequest(time.monotonic(), lambda: self._fetch(account_id))
+        t0 = sent.sent_at
         try:
-            resp = self._fetch(account_id) if sent is None else sent.read()
+            resp = sent.read()
         except httpx.TransportError as exc:
             GATEWAY_TOKEN_REFRESHES.labels(result="transport_error").inc()
             res = classify_transport_error(exc)
