@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from _env import git_rev, machine, scratch
-from sqlalchemy import event
 from throughput import _cpu_seconds, server_pids
 
 WARM = 20  # accounts drained before the clock starts (connections, first tokens, imports)
@@ -65,14 +65,16 @@ def main() -> int:
             rt = runtime.current()
             for b in batches[:WARM]:
                 run_batch_task(b["batch_id"], rt, account_id=b["account_id"])
-            # SQL statements sent (one listener on the engine: the autocommit view and the
-            # fencing upsert share it, so each statement counts once)
+            # SQL statements sent, counted at psycopg's cursor: the drain's (run on the
+            # pooled psycopg connection, db/driver.py) and SQLAlchemy's alike
             statements = [0]
+            cursor_execute = psycopg.Cursor.execute
 
-            def count(*_: object, **__: object) -> None:
+            def counted_execute(self: Any, *a: Any, **k: Any) -> Any:
                 statements[0] += 1
+                return cursor_execute(self, *a, **k)
 
-            event.listen(rt.engine, "before_cursor_execute", count)
+            psycopg.Cursor.execute = counted_execute  # type: ignore[method-assign]
             # Redis round trips of the drain (the runtime's client: locks, tokens, pacing,
             # marks); a pipeline counts once
             trips = [0]

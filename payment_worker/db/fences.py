@@ -19,11 +19,15 @@ Semantics of the fence under READ COMMITTED (PostgreSQL's default), see docs/loc
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, RowMapping, TextClause, text
+from sqlalchemy import Connection, TextClause, text
 
+from payment_worker.db.driver import fetch
 from payment_worker.errors import FencedOut
+
+if TYPE_CHECKING:
+    from payment_worker.db.driver import AnyConnection, Statement
 
 FENCE_CTE = """fence AS (
     SELECT fence_token FROM account_fences
@@ -73,13 +77,13 @@ def fence_params(account_id: str, token: int) -> dict[str, Any]:
 
 
 def execute_fenced(
-    conn: Connection,
-    statement: TextClause,
+    conn: AnyConnection,
+    statement: Statement | TextClause,
     params: Mapping[str, Any],
     *,
     account_id: str,
     token: int,
-) -> Sequence[RowMapping]:
+) -> Sequence[Mapping[str, Any]]:
     """Run a fenced statement and return its rows; raise :class:`FencedOut` if the token is stale.
 
     ``statement`` starts with ``WITH`` :data:`FENCE_CTE` and returns at least one row, whose
@@ -87,7 +91,7 @@ def execute_fenced(
     did not match is no rejection: the statement's own columns tell what changed. The caller
     that handles :class:`FencedOut` counts it (``payment_worker_fencing_rejections_total``).
     """
-    rows = conn.execute(statement, {**params, **fence_params(account_id, token)}).mappings().all()
+    rows = fetch(conn, statement, {**params, **fence_params(account_id, token)})
     if not rows[0]["fenced_ok"]:
         raise FencedOut(f"fencing token {token} of account {account_id} is no longer current")
     return rows

@@ -11,18 +11,17 @@ the write to commit, so the order is strict.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, RowMapping, text
+from sqlalchemy import Connection, Engine, text
 
-from payment_worker.db.engine import autocommit
+from payment_worker.db.driver import AnyConnection, Statement, checked_out, fetch
 from payment_worker.db.fences import FENCE_CTE, NEXT_FENCE_CTE, execute_fenced, fence_params
 from payment_worker.db.models import OPEN_TX_PREDICATE, sql_values
-from payment_worker.db.sql_text import compact_text
 from payment_worker.domain.statuses import (
     IN_DOUBT_TX_STATUSES,
     OPEN_TX_STATUSES,
@@ -129,13 +128,13 @@ LEFT JOIN upd ON true
 LEFT JOIN idempotency_keys k ON k.transaction_pk = upd.id
 ORDER BY upd.batch_pk, upd.id
 """
-_CLAIM = compact_text(f"WITH {FENCE_CTE},{_CLAIM_AFTER_FENCE}")
+_CLAIM = Statement.of(f"WITH {FENCE_CTE},{_CLAIM_AFTER_FENCE}")
 # the holder's first claim: the fencing token is issued by the claim itself, one round trip
 # and one transaction fewer per account than an upsert of its own
-_FENCE_AND_CLAIM = compact_text(f"WITH {NEXT_FENCE_CTE},{_CLAIM_AFTER_FENCE}")
+_FENCE_AND_CLAIM = Statement.of(f"WITH {NEXT_FENCE_CTE},{_CLAIM_AFTER_FENCE}")
 
 
-def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> Claim:
+def claim_due(conn: AnyConnection, account_id: str, token: int, limit: int) -> Claim:
     """Claim up to ``limit`` due items of the account (fenced); empty when nothing is due.
 
     ``more_due`` on the answer says whether more than ``limit`` were due: one statement
@@ -144,17 +143,17 @@ def claim_due(conn: Connection, account_id: str, token: int, limit: int) -> Clai
     return _claim_of(rows, token)
 
 
-def fence_and_claim(conn: Connection, account_id: str, limit: int) -> Claim:
+def fence_and_claim(conn: AnyConnection, account_id: str, limit: int) -> Claim:
     """A holder's first claim: issue the account's next fencing token and claim with it, in
     one statement (:data:`~payment_worker.db.fences.NEXT_FENCE_CTE`). The token is the
     answer's ``fence_token``; every later write of the holder carries it. Committed or not
     at all: a retry after a lost answer issues another token (tokens only need to grow), and
     the items the lost claim took are found ``dispatching``, so they are looked up first."""
-    rows = conn.execute(_FENCE_AND_CLAIM, {"n": limit, "acct": account_id}).mappings().all()
+    rows = fetch(conn, _FENCE_AND_CLAIM, {"n": limit, "acct": account_id})
     return _claim_of(rows, int(rows[0]["token"]))
 
 
-def _claim_of(rows: Sequence[RowMapping], token: int) -> Claim:
+def _claim_of(rows: Sequence[Mapping[str, Any]], token: int) -> Claim:
     items = [
         ClaimedItem(
             id=r["id"],
@@ -237,7 +236,7 @@ replay_done AS (
       AND upd.status IN ('succeeded', 'failed')
 )"""
 
-_RECORD = compact_text(f"""{_RECORD_CTES}
+_RECORD = Statement.of(f"""{_RECORD_CTES}
 SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok
 """)
 
@@ -261,7 +260,7 @@ def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
 
 
 def record_outcomes(
-    conn: Connection, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
+    conn: AnyConnection, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
 ) -> int:
     """Write the outcomes of claimed items in one fenced statement; returns rows changed.
 
@@ -313,7 +312,7 @@ UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = no
     succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
 """
 
-_COMPLETE = compact_text(f"""
+_COMPLETE = Statement.of(f"""
 WITH {FENCE_CTE}
 {_COMPLETE_SET}
 FROM ({_COMPLETABLE}) s
@@ -323,7 +322,7 @@ RETURNING b.batch_id
 
 # the end of a drain in one statement: complete what is complete, and tell when the next open
 # item is due (the UPDATE writes batches only, so the SELECT over transactions is unaffected)
-_COMPLETE_AND_NEXT_DUE = compact_text(f"""
+_COMPLETE_AND_NEXT_DUE = Statement.of(f"""
 WITH {FENCE_CTE},
 done AS (
     {_COMPLETE_SET}
@@ -337,7 +336,7 @@ SELECT ARRAY(SELECT batch_id FROM done) AS completed, ({_NEXT_DUE_AT}) AS due, n
 
 
 def complete_batches(
-    conn: Connection, account_id: str, token: int, batch_pks: Sequence[int] | None = None
+    conn: AnyConnection, account_id: str, token: int, batch_pks: Sequence[int] | None = None
 ) -> list[str]:
     """Complete the account's batches (all, or those in ``batch_pks``) whose items are all
     terminal; returns their batch ids."""
@@ -346,14 +345,14 @@ def complete_batches(
     # a batch whose items are all terminal, but the rule has no exceptions). Its stale token
     # is not an error here: the claim and the record around it raise FencedOut
     params = {**fence_params(account_id, token), "pks": pks}
-    return list(conn.execute(_COMPLETE, params).scalars())
+    return [str(r["batch_id"]) for r in fetch(conn, _COMPLETE, params)]
 
 
 # The last chunk of a drain: its outcomes, the account's batches completed, and the next due
 # time, in one statement. Every CTE reads the snapshot taken before the statement, so the
 # account's rows are read as they will be: the outcomes' rows as ``upd`` returns them, the
 # others as they are (its open rows, and the rest of its batches not yet completed).
-_RECORD_AND_FINISH = compact_text(f"""{_RECORD_CTES},
+_RECORD_AND_FINISH = Statement.of(f"""{_RECORD_CTES},
 cur AS (
     SELECT batch_pk, status, next_attempt_at FROM upd
     UNION ALL
@@ -382,7 +381,7 @@ SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fe
 
 
 def record_and_finish(
-    conn: Connection, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
+    conn: AnyConnection, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
 ) -> tuple[int, list[str], float | None]:
     """:func:`record_outcomes` and :func:`complete_and_next_due` in one fenced statement, for
     a drain's last chunk: rows changed, batches completed, seconds until the next due item
@@ -397,7 +396,7 @@ def record_and_finish(
 
 
 def complete_and_next_due(
-    conn: Connection, account_id: str, token: int
+    conn: AnyConnection, account_id: str, token: int
 ) -> tuple[list[str], float | None]:
     """As a drain ends, in one statement: :func:`complete_batches` (all of the account's), and
     the seconds until the account's earliest open item is due (<= 0: now; None: nothing
@@ -430,48 +429,49 @@ class PgWorkStore:
     connection out of the pool, runs its one statement in autocommit (its own short
     transaction) and gives the connection back, so no connection is held across a gateway
     call and a holder waiting on the gateway costs the pool nothing. A call that fails on a
-    dead connection leaves the next one a fresh connection (the pool drops the dead one)."""
+    dead connection leaves the next one a fresh connection (the pool drops the dead one).
+    The statements run on the pooled psycopg connection (:mod:`payment_worker.db.driver`:
+    half the client CPU of SQLAlchemy's execution layer)."""
 
     def __init__(self, engine: Engine) -> None:
-        # the autocommit view of the process's engine (db.engine.autocommit)
         self._engine = engine
 
     @classmethod
     @contextmanager
     def open(cls, engine: Engine) -> Iterator[PgWorkStore]:
         """A store on ``engine``'s pool for one drain (nothing to give back at the end)."""
-        yield cls(autocommit(engine))
+        yield cls(engine)
 
     def claim_due(self, account_id: str, token: int, limit: int) -> Claim:
         """See :func:`claim_due`."""
-        with self._engine.connect() as conn:
+        with checked_out(self._engine) as conn:
             return claim_due(conn, account_id, token, limit)
 
     def fence_and_claim(self, account_id: str, limit: int) -> Claim:
         """See :func:`fence_and_claim`."""
-        with self._engine.connect() as conn:
+        with checked_out(self._engine) as conn:
             return fence_and_claim(conn, account_id, limit)
 
     def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
         """See :func:`record_outcomes`."""
-        with self._engine.connect() as conn:
+        with checked_out(self._engine) as conn:
             return record_outcomes(conn, account_id, token, outcomes)
 
     def record_and_finish(
         self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
     ) -> tuple[int, list[str], float | None]:
         """See :func:`record_and_finish`."""
-        with self._engine.connect() as conn:
+        with checked_out(self._engine) as conn:
             return record_and_finish(conn, account_id, token, outcomes)
 
     def complete_batches(
         self, account_id: str, token: int, batch_pks: Sequence[int] | None = None
     ) -> list[str]:
         """See :func:`complete_batches`."""
-        with self._engine.connect() as conn:
+        with checked_out(self._engine) as conn:
             return complete_batches(conn, account_id, token, batch_pks)
 
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         """See :func:`complete_and_next_due`."""
-        with self._engine.connect() as conn:
+        with checked_out(self._engine) as conn:
             return complete_and_next_due(conn, account_id, token)
