@@ -2,6 +2,8 @@
 # Interleaved A/B of bench/throughput.py (or any bench script): the code at OLD_REV and the
 # working tree alternate, PAIRS times, against the same machine, so that a host whose speed
 # drifts (15 to 25 % within minutes, seen in issue 13's sessions) moves both sides alike.
+# The order turns every pair (old new, new old, ...): an even PAIRS count puts each side
+# first as often as second.
 #
 #   bench/interleaved.sh OLD_REV [PAIRS] [-- BENCH_SCRIPT ARGS...]
 #   bench/interleaved.sh 327ba06 3 -- bench/throughput.py --scenario 1 3 4 5 --runs 1 --commands
@@ -25,7 +27,11 @@ tree="$here/.bench-worktrees/$rev"
 # the old side's embedded servers live in its worktree: stopped at the end, whatever happens
 trap '(cd "$tree" && PYTHONPATH="$tree" "$here/.venv/bin/python" -m payment_worker.cli services stop >/dev/null 2>&1) || true' EXIT
 for i in $(seq 1 "$pairs"); do
-  for side in old new; do
+  # the order turns every pair (old new, new old, old new, ...): the second run of a pair
+  # was seen slower (or faster) than the first for the same code, so a fixed order leans
+  sides="old new"
+  [ $((i % 2)) -eq 0 ] && sides="new old"
+  for side in $sides; do
     dir=$here
     [ "$side" = old ] && dir=$tree
     echo "== pair $i $side ($( [ "$side" = old ] && echo "$rev" || echo "working tree" ))"
