@@ -41,7 +41,7 @@ from payment_worker.gateway.outcomes import (
     not_sent,
 )
 from payment_worker.gateway.pacing import Pacer
-from payment_worker.gateway.tokens import SentRequest, TokenManager
+from payment_worker.gateway.tokens import SentRequest, TokenAnswer, TokenManager
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     GATEWAY_ENDPOINTS,
@@ -374,7 +374,7 @@ class GatewayClient:
             )
         return result
 
-    def _fetch_token(self, account_id: str) -> httpx.Response:
+    def _fetch_token(self, account_id: str) -> TokenAnswer:
         return self._send_token(account_id).read()
 
     def _send_token(self, account_id: str) -> SentRequest:
@@ -387,7 +387,7 @@ class GatewayClient:
         }
         sent_at = time.monotonic()
         answer = self._begin("POST", "/oauth/token", {}, body)
-        return SentRequest(sent_at, lambda: answer().response())
+        return SentRequest(sent_at, answer)
 
 
 class StartRider:

@@ -34,6 +34,7 @@ arrived look "maybe sent". After any failure the connection is closed: its state
 from __future__ import annotations
 
 import http.client
+import json
 import re
 import select
 import socket
@@ -271,9 +272,14 @@ class Answer:
         """The headers as ``httpx.Headers`` (built on demand: the tables read ``fields``)."""
         return httpx.Headers(self.raw_headers)
 
-    def response(self) -> httpx.Response:
-        """As an ``httpx.Response`` (the token manager's input; rare)."""
-        return httpx.Response(self.status_code, headers=self.raw_headers, content=self.content)
+    @property
+    def text(self) -> str:
+        """The body as text (UTF-8, what the gateway protocol sends)."""
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The body parsed as JSON (``ValueError`` when it is not)."""
+        return json.loads(self.content)
 
 
 class GatewayConnection:

@@ -28,9 +28,9 @@ from __future__ import annotations
 import random
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import redis
@@ -74,7 +74,28 @@ class CachedToken:
         return self.remaining_ms <= self.lead_ms
 
 
-TokenFetcher = Callable[[str], "httpx.Response"]
+class TokenAnswer(Protocol):
+    """What the token manager reads of an answer to ``POST /oauth/token``: the client's
+    :class:`~payment_worker.gateway.connection.Answer` (no ``httpx.Response`` built for it)
+    or an ``httpx.Response`` (tests, other fetchers)."""
+
+    @property
+    def status_code(self) -> int:
+        """The HTTP status."""
+
+    @property
+    def text(self) -> str:
+        """The body as text."""
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The header fields, by name (case-insensitive)."""
+
+    def json(self) -> Any:
+        """The body parsed as JSON (ValueError when it is not)."""
+
+
+TokenFetcher = Callable[[str], TokenAnswer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +104,7 @@ class SentRequest:
     ``read`` returns the answer or raises httpx's transport errors; it is called once."""
 
     sent_at: float  # time.monotonic() before the request left: the token's lifetime starts after
-    read: Callable[[], httpx.Response]
+    read: Callable[[], TokenAnswer]
 
 
 #: sends an account's ``POST /oauth/token`` now; the answer is read later
@@ -324,7 +345,7 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _parse_token(resp: httpx.Response) -> tuple[str | None, float | None]:
+def _parse_token(resp: TokenAnswer) -> tuple[str | None, float | None]:
     if resp.status_code != 200:
         return None, None
     try:
@@ -341,7 +362,7 @@ def _parse_token(resp: httpx.Response) -> tuple[str | None, float | None]:
     return token, float(expires_in)
 
 
-def _token_failure(resp: httpx.Response) -> GatewayResult:
+def _token_failure(resp: TokenAnswer) -> GatewayResult:
     """A token request that gave no token: the payment was not sent, retry later."""
     text = redact(resp.text[:264])[:200]  # masked before it is cut
     retry_after = None
@@ -358,7 +379,7 @@ def _token_failure(resp: httpx.Response) -> GatewayResult:
     )
 
 
-def _error_code(resp: httpx.Response) -> str | None:
+def _error_code(resp: TokenAnswer) -> str | None:
     try:
         data = resp.json()
     except ValueError:

@@ -122,6 +122,25 @@ def test_429_retry_records_a_cooldown_for_every_process(
     assert 1.8 <= wait <= 2.0 + 1 / 20
 
 
+def test_a_refused_token_request_sends_nothing_and_says_why(
+    client: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    """The token answer as the client reads it (status, headers, body as text and JSON):
+    a 429 carries its Retry-After, a 503 its error code; no payment leaves either time."""
+    gateway_sim.script(ACCT, {"fault": "429", "retry_after": 3, "endpoint": "token"})
+    limited = create(client, tx())
+    assert (limited.outcome, limited.http_status, limited.sent) == (Outcome.RETRY, 429, False)
+    assert limited.retry_after == 3.0
+    assert limited.reason.startswith("token_") and "HTTP 429" in (limited.error or "")
+    gateway_sim.script(ACCT, {"fault": "503", "endpoint": "token"})
+    down = create(client, tx())
+    assert (down.outcome, down.http_status, down.sent) == (Outcome.RETRY, 503, False)
+    assert down.reason == "token_service_unavailable", down.reason
+    assert gateway_sim.ledger()["payments_sent"] == 0
+    # and the next request gets a token and pays
+    assert create(client, tx()).outcome is Outcome.SUCCEEDED
+
+
 @pytest.mark.parametrize(
     ("fault", "outcome", "status"),
     [
