@@ -27,8 +27,8 @@ tree="$here/.bench-worktrees/$rev"
 # the old side's embedded servers live in its worktree: stopped at the end, whatever happens
 trap '(cd "$tree" && PYTHONPATH="$tree" "$here/.venv/bin/python" -m payment_worker.cli services stop >/dev/null 2>&1) || true' EXIT
 for i in $(seq 1 "$pairs"); do
-  # the order turns every pair (old new, new old, old new, ...): the second run of a pair
-  # was seen slower (or faster) than the first for the same code, so a fixed order leans
+  # the order turns every pair (old new, new old, old new, ...): two pairs in a row are an
+  # ABBA block, which a steady drift moves alike on both sides (a fixed order does not)
   sides="old new"
   [ $((i % 2)) -eq 0 ] && sides="new old"
   for side in $sides; do
