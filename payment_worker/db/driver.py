@@ -105,7 +105,8 @@ def checked_out(engine: Engine) -> Iterator[DriverConnection]:
             # what SQLAlchemy's psycopg dialect calls a disconnect
             broken = conn.closed or conn.broken
             if broken:
-                # the generation: a server restart broke its siblings too
+                # the generation: a server restart broke its siblings too. The pool's own
+                # method, the one SQLAlchemy calls for a disconnect under its statements
                 engine.pool._invalidate(fairy, exc)
             raise DBAPIError.instance(
                 None, None, exc, psycopg.Error, connection_invalidated=broken

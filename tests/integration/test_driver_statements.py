@@ -113,9 +113,8 @@ def test_the_pool_budget_holds_for_driver_statements(pw_env: PwEnv) -> None:
         assert held.wait(10)
         # the one connection is lent: the next checkout waits pool_timeout, then fails as
         # SQLAlchemy's pool does (a transient error for the drain)
-        with pytest.raises(sqlalchemy.exc.TimeoutError) as caught:
-            with checked_out(engine):
-                pass
+        with pytest.raises(sqlalchemy.exc.TimeoutError) as caught, checked_out(engine):
+            pass
         assert transient_reason(caught.value) == "pool_timeout"
         done.set()
         holder.join(10)
