@@ -1,6 +1,6 @@
 """CPU of one account's path, single-threaded and outside Celery (issue 13).
 
-    .venv/bin/python bench/account_path.py [--accounts 300] [--items 5] [--profile FILE]
+    .venv/bin/python bench/account_path.py [--accounts 300] [--items 5] [--profile FILE] [--calls]
 
 Submits ``--accounts`` batches of ``--items`` items, one account each, then calls
 ``run_batch_task`` for each in this one thread against the simulator at zero latency (real
@@ -10,7 +10,10 @@ different ``--items`` separate the cost per account from the cost per item. It a
 the SQL statements per account (the drain's and the fencing upsert's), and the Postgres
 server's CPU per account (its processes alive at both readings: an autovacuum worker that
 came and went is left out). ``--profile``
-writes a cProfile of the timed part (``python -m pstats FILE``). Uses DATABASE_URL /
+writes a cProfile of the timed part (``python -m pstats FILE``). ``--calls`` adds a table of
+the thread CPU spent in each step of the drain (:data:`STEPS`: the lock, the statements, the
+gateway calls, the log lines), inclusive (a step inside another counts in both), per
+account. Uses DATABASE_URL /
 REDIS_URL when set, else the embedded servers; a scratch database, Redis dbs 13 and 14.
 """
 
@@ -31,12 +34,31 @@ from throughput import _cpu_seconds, server_pids
 
 WARM = 20  # accounts drained before the clock starts (connections, first tokens, imports)
 
+# the drain's steps --calls times: (module, class, method)
+STEPS = [
+    ("payment_worker.worker.drain", "Drainer", "run_account"),
+    ("payment_worker.locks.account_lock", "AccountLock", "acquire"),
+    ("payment_worker.gateway.client", "GatewayClient", "account_start"),
+    ("payment_worker.gateway.client", "GatewayClient", "prefetch_token"),
+    ("payment_worker.db.work", "PgWorkStore", "fence_and_claim"),
+    ("payment_worker.db.work", "PgWorkStore", "claim_due"),
+    ("payment_worker.gateway.client", "GatewayClient", "create_payment"),
+    ("payment_worker.gateway.client", "GatewayClient", "lookup_payment"),
+    ("payment_worker.gateway.tokens", "TokenManager", "_refresh"),
+    ("payment_worker.db.work", "PgWorkStore", "record_outcomes"),
+    ("payment_worker.db.work", "PgWorkStore", "record_and_finish"),
+    ("payment_worker.db.work", "PgWorkStore", "complete_and_next_due"),
+    ("payment_worker.gateway.client", "GatewayClient", "done_with"),
+    ("payment_worker.locks.account_lock", "AccountLock", "release"),
+]
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--accounts", type=int, default=300)
     p.add_argument("--items", type=int, default=5)
     p.add_argument("--profile", help="write a cProfile of the timed part here")
+    p.add_argument("--calls", action="store_true", help="thread CPU per step of the drain")
     args = p.parse_args()
     if args.accounts <= WARM or args.items < 1:
         p.error(f"--accounts must exceed {WARM} and --items be at least 1")
@@ -99,6 +121,7 @@ def main() -> int:
 
             client.execute_command = counted_command  # type: ignore[method-assign]
             client.pipeline = counted_pipeline  # type: ignore[method-assign]
+            spent: dict[str, list[float]] = _time_steps() if args.calls else {}
             profiler = cProfile.Profile(time.process_time) if args.profile else None
             pg0 = _server_cpu()
             cpu0, wall0 = time.process_time(), time.monotonic()
@@ -126,7 +149,48 @@ def main() -> int:
         f"| {statements[0] / n:.2f} | {trips[0] / n:.2f} | {1000 * pg / n:.2f} "
         f"| {'yes' if args.profile else 'no'} |"
     )
+    if spent:
+        print()
+        print("| step (inclusive) | µs of thread CPU per account | calls per account |")
+        print("|---|---|---|")
+        for name, (seconds, calls) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
+            if calls:
+                print(f"| {name} | {1e6 * seconds / n:,.0f} | {calls / n:.2f} |")
     return 0
+
+
+def _time_steps() -> dict[str, list[float]]:
+    """Wrap each of :data:`STEPS` (and the drain's log calls) to add up its thread CPU and
+    calls: {name: [seconds, calls]}, filled as the drains run."""
+    import importlib
+
+    spent: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        tally = spent.setdefault(name, [0.0, 0])
+
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                tally[0] += time.thread_time() - t0
+                tally[1] += 1
+
+        return run
+
+    for module, cls_name, method in STEPS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        setattr(cls, method, timed(f"{cls_name}.{method}", getattr(cls, method)))
+    drain = importlib.import_module("payment_worker.worker.drain")
+    logger = drain.log
+
+    class TimedLog:
+        def __getattr__(self, level: str) -> Any:
+            return timed(f"log.{level} (the drain's lines)", getattr(logger, level))
+
+    drain.log = TimedLog()
+    return spent
 
 
 def _server_cpu() -> float:
