@@ -62,7 +62,8 @@ class NaiveTokens:
     """Per-process token cache with the same interface as TokenManager.get."""
 
     def __init__(self, client: GatewayClient) -> None:
-        self._fetch = client._fetch_token
+        send = client._send_token
+        self._fetch = lambda account_id: send(account_id).read()
         self._cache: dict[str, tuple[str, float]] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()

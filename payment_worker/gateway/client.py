@@ -41,7 +41,7 @@ from payment_worker.gateway.outcomes import (
     not_sent,
 )
 from payment_worker.gateway.pacing import Pacer
-from payment_worker.gateway.tokens import SentRequest, TokenAnswer, TokenManager
+from payment_worker.gateway.tokens import SentRequest, TokenManager
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     GATEWAY_ENDPOINTS,
@@ -95,7 +95,6 @@ class GatewayClient:
         }
         self.tokens = TokenManager(
             redis,
-            self._fetch_token,
             send=self._send_token,
             prefix=s.redis_key_prefix,
             refresh_fraction=s.gateway_token_refresh_fraction,
@@ -373,9 +372,6 @@ class GatewayClient:
                 error=result.error,
             )
         return result
-
-    def _fetch_token(self, account_id: str) -> TokenAnswer:
-        return self._send_token(account_id).read()
 
     def _send_token(self, account_id: str) -> SentRequest:
         """``POST /oauth/token`` sent now; its answer read by the result's ``read``, on the

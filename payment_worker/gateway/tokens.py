@@ -125,19 +125,28 @@ class TokenManager:
 
     Thread-safe; one per process is enough. ``fetch`` performs ``POST /oauth/token`` for an
     account and returns the raw response (the client owns the HTTP connection pool);
-    ``send``, when given, sends it without waiting for the answer (:meth:`prefetch`).
+    ``send``, when given, sends it without waiting for the answer (:meth:`prefetch`), and
+    ``fetch`` may then be left out: it is ``send`` with its answer read at once.
     """
 
     def __init__(
         self,
         redis_client: redis.Redis,
-        fetch: TokenFetcher,
+        fetch: TokenFetcher | None = None,
         prefix: str = "pw",
         refresh_fraction: float = 0.2,
         lock_ttl: float = 10.0,
         poll_interval: float = 0.01,
         send: TokenSender | None = None,
     ) -> None:
+        if fetch is None:
+            if send is None:
+                raise ValueError("a TokenManager needs fetch or send")
+            sender = send
+
+            def fetch(account_id: str) -> TokenAnswer:
+                return sender(account_id).read()
+
         self._redis = redis_client
         self._fetch = fetch
         self._send = send

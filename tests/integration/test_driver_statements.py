@@ -5,6 +5,7 @@ connection that broke under a statement is dropped with its generation."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -22,9 +23,20 @@ from tests.conftest import PwEnv
 APP = "pw-driver-test"
 
 
-def _engine(pw_env: PwEnv, pool_size: int = 1) -> sqlalchemy.Engine:
+@pytest.fixture
+def engine_of(pw_env: PwEnv) -> Iterator[Callable[[int], sqlalchemy.Engine]]:
+    """Builds an engine with a pool of the given size on the test's database; each is
+    disposed when the test ends."""
     url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
-    return make_engine(url, pool_size=pool_size, pool_timeout=2.0, application_name=APP)
+    made: list[sqlalchemy.Engine] = []
+
+    def build(pool_size: int) -> sqlalchemy.Engine:
+        made.append(make_engine(url, pool_size=pool_size, pool_timeout=2.0, application_name=APP))
+        return made[-1]
+
+    yield build
+    for engine in made:
+        engine.dispose()
 
 
 def _autocommit_of_the_pooled_connection(engine: sqlalchemy.Engine) -> bool:
@@ -35,111 +47,107 @@ def _autocommit_of_the_pooled_connection(engine: sqlalchemy.Engine) -> bool:
         fairy.close()
 
 
-def test_a_statement_gives_its_connection_back_as_it_was_lent(pw_env: PwEnv) -> None:
-    engine = _engine(pw_env)
+def test_a_statement_gives_its_connection_back_as_it_was_lent(
+    engine_of: Callable[[int], sqlalchemy.Engine],
+) -> None:
+    engine = engine_of(1)
     store = PgWorkStore(engine)
-    try:
-        token = store.fence_and_claim("acct-drv", 5).fence_token
-        assert token == 1
-        assert not _autocommit_of_the_pooled_connection(engine)
-        # a stale token: FencedOut, raised inside the checkout
-        with pytest.raises(FencedOut):
-            store.claim_due("acct-drv", token - 1, 5)
-        assert not _autocommit_of_the_pooled_connection(engine)
-        # a statement the server refuses: SQLAlchemy's error around psycopg's, as a statement
-        # run through SQLAlchemy raises it, and the connection stays in the pool, usable
-        with pytest.raises(sqlalchemy.exc.DBAPIError) as caught:
-            store.claim_due("acct-drv", token, -5)  # LIMIT -4
-        assert isinstance(caught.value.orig, psycopg.errors.InvalidRowCountInLimitClause)
-        assert not caught.value.connection_invalidated
-        assert transient_reason(caught.value) is None
-        assert not _autocommit_of_the_pooled_connection(engine)
-        # and a transaction on that connection is one: what it wrote is rolled back
-        with engine.connect() as conn:
-            conn.execute(
-                text("UPDATE account_fences SET fence_token = 99 WHERE account_id = 'acct-drv'")
-            )
-            conn.rollback()
-        assert store.claim_due("acct-drv", token, 5) == []
-        assert engine.pool.checkedout() == 0
-    finally:
-        engine.dispose()
+    token = store.fence_and_claim("acct-drv", 5).fence_token
+    assert token == 1
+    assert not _autocommit_of_the_pooled_connection(engine)
+    # a stale token: FencedOut, raised inside the checkout
+    with pytest.raises(FencedOut):
+        store.claim_due("acct-drv", token - 1, 5)
+    assert not _autocommit_of_the_pooled_connection(engine)
+    # a statement the server refuses: SQLAlchemy's error around psycopg's, as a statement
+    # run through SQLAlchemy raises it, and the connection stays in the pool, usable
+    with pytest.raises(sqlalchemy.exc.DBAPIError) as caught:
+        store.claim_due("acct-drv", token, -5)  # LIMIT -4
+    assert isinstance(caught.value.orig, psycopg.errors.InvalidRowCountInLimitClause)
+    assert not caught.value.connection_invalidated
+    assert transient_reason(caught.value) is None
+    assert not _autocommit_of_the_pooled_connection(engine)
+    # and a transaction on that connection is one: what it wrote is rolled back
+    with engine.connect() as conn:
+        conn.execute(
+            text("UPDATE account_fences SET fence_token = 99 WHERE account_id = 'acct-drv'")
+        )
+        conn.rollback()
+    assert store.claim_due("acct-drv", token, 5) == []
+    assert engine.pool.checkedout() == 0
 
 
-def test_a_connection_killed_under_it_is_dropped_with_its_generation(pw_env: PwEnv) -> None:
-    engine = _engine(pw_env, pool_size=2)
+def test_a_connection_killed_under_it_is_dropped_with_its_generation(
+    pw_env: PwEnv, engine_of: Callable[[int], sqlalchemy.Engine]
+) -> None:
+    engine = engine_of(2)
     store = PgWorkStore(engine)
-    try:
-        # both connections opened and back in the pool
-        first, second = engine.raw_connection(), engine.raw_connection()
-        first.close()
-        second.close()
-        token = store.fence_and_claim("acct-drv", 5).fence_token
-        assert token is not None
-        with psycopg.connect(pw_env.database_url, autocommit=True) as admin:
-            killed = admin.execute(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                " WHERE application_name = %s",
-                (APP,),
-            ).fetchone()
-        assert killed == (2,)
-        with pytest.raises(sqlalchemy.exc.DBAPIError) as caught:
-            store.claim_due("acct-drv", token, 5)
-        assert caught.value.connection_invalidated
-        assert transient_reason(caught.value) is not None  # the drain retries it
-        # the other connection died with it and is not lent again: two statements at once
-        # (both pooled connections lent) run on new connections
-        with checked_out(engine) as one, checked_out(engine) as two:
-            assert one.execute("SELECT 1").fetchone() == two.execute("SELECT 1").fetchone()
-        assert store.claim_due("acct-drv", token, 5) == []
-        assert engine.pool.checkedout() == 0
-    finally:
-        engine.dispose()
+    # both connections opened and back in the pool
+    first, second = engine.raw_connection(), engine.raw_connection()
+    first.close()
+    second.close()
+    token = store.fence_and_claim("acct-drv", 5).fence_token
+    assert token is not None
+    with psycopg.connect(pw_env.database_url, autocommit=True) as admin:
+        killed = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE application_name = %s",
+            (APP,),
+        ).fetchone()
+    assert killed == (2,)
+    with pytest.raises(sqlalchemy.exc.DBAPIError) as caught:
+        store.claim_due("acct-drv", token, 5)
+    assert caught.value.connection_invalidated
+    assert transient_reason(caught.value) is not None  # the drain retries it
+    # the other connection died with it and is not lent again: two statements at once
+    # (both pooled connections lent) run on new connections
+    with checked_out(engine) as one, checked_out(engine) as two:
+        assert one.execute("SELECT 1").fetchone() == two.execute("SELECT 1").fetchone()
+    assert store.claim_due("acct-drv", token, 5) == []
+    assert engine.pool.checkedout() == 0
 
 
-def test_the_pool_budget_holds_for_driver_statements(pw_env: PwEnv) -> None:
-    engine = _engine(pw_env, pool_size=1)
-    try:
-        held = threading.Event()
-        done = threading.Event()
+def test_the_pool_budget_holds_for_driver_statements(
+    engine_of: Callable[[int], sqlalchemy.Engine],
+) -> None:
+    engine = engine_of(1)
+    held = threading.Event()
+    done = threading.Event()
 
-        def hold() -> None:
-            with checked_out(engine):
-                held.set()
-                done.wait(10)
+    def hold() -> None:
+        with checked_out(engine):
+            held.set()
+            done.wait(10)
 
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert held.wait(10)
-        # the one connection is lent: the next checkout waits pool_timeout, then fails as
-        # SQLAlchemy's pool does (a transient error for the drain)
-        with pytest.raises(sqlalchemy.exc.TimeoutError) as caught, checked_out(engine):
-            pass
-        assert transient_reason(caught.value) == "pool_timeout"
-        done.set()
-        holder.join(10)
-        with checked_out(engine) as conn:
-            assert conn.execute("SELECT 1").fetchone() == (1,)
-    finally:
-        engine.dispose()
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    # the one connection is lent: the next checkout waits pool_timeout, then fails as
+    # SQLAlchemy's pool does (a transient error for the drain)
+    with pytest.raises(sqlalchemy.exc.TimeoutError) as caught, checked_out(engine):
+        pass
+    assert transient_reason(caught.value) == "pool_timeout"
+    done.set()
+    holder.join(10)
+    with checked_out(engine) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
-def test_both_connection_kinds_read_the_same_values(pw_env: PwEnv) -> None:
+def test_both_connection_kinds_read_the_same_values(
+    engine_of: Callable[[int], sqlalchemy.Engine],
+) -> None:
     stmt = Statement.of(
         "SELECT CAST(:a AS text) AS a, CAST(:b AS jsonb) AS b, ARRAY[1, 2] AS c,"
         " now() - now() AS d, NULL AS e -- a comment the statement does not send"
     )
     params: dict[str, Any] = {"a": "x%y", "b": '{"k": [1, "v"]}'}
-    engine = _engine(pw_env)
-    try:
-        with engine.connect() as conn:
-            via_sqlalchemy = [dict(r) for r in fetch(conn, stmt, params)]
-        with checked_out(engine) as driver:
-            via_driver = [dict(r) for r in fetch(driver, stmt, params)]
-            with pytest.raises(TypeError):
-                fetch(driver, text("SELECT 1"), {})
-    finally:
-        engine.dispose()
+    engine = engine_of(1)
+    with engine.connect() as conn:
+        via_sqlalchemy = [dict(r) for r in fetch(conn, stmt, params)]
+    with checked_out(engine) as driver:
+        via_driver = [dict(r) for r in fetch(driver, stmt, params)]
+        with pytest.raises(TypeError):
+            fetch(driver, text("SELECT 1"), {})
     assert via_driver == via_sqlalchemy
     assert via_driver[0]["b"] == {"k": [1, "v"]} and via_driver[0]["c"] == [1, 2]
     assert "--" not in stmt.sql and "%(a)s" in stmt.sql
