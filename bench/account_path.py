@@ -48,7 +48,7 @@ STEPS = [
     ("payment_worker.db.work", "PgWorkStore", "record_outcomes"),
     ("payment_worker.db.work", "PgWorkStore", "record_and_finish"),
     ("payment_worker.db.work", "PgWorkStore", "complete_and_next_due"),
-    ("payment_worker.gateway.client", "GatewayClient", "done_with"),
+    ("payment_worker.gateway.client", "GatewayClient", "account_end"),
     ("payment_worker.locks.account_lock", "AccountLock", "release"),
 ]
 

@@ -34,7 +34,7 @@ from payment_worker.domain.statuses import (
 from payment_worker.domain.transitions import Doubt, ItemOutcome
 from payment_worker.errors import FencedOut, LockLost
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
-from payment_worker.locks.arrival import Arrival, Rider
+from payment_worker.locks.arrival import Arrival, EndRider, Rider
 from payment_worker.worker.ports import Guard
 
 
@@ -254,6 +254,7 @@ class FakeLock:
         self.lost = False
         self.checks_left: int | None = None  # lose the lock after this many checks
         self.progress_at: list[float] = []  # the clock at each progress report
+        self.released_with: list[EndRider | None] = []  # the rider of each release
         self._store = store
         self._holders = holders
 
@@ -293,8 +294,9 @@ class FakeLock:
     def progress(self) -> None:
         self.progress_at.append(self._store.clock())
 
-    def release(self, arrival: Arrival | None = None) -> bool:
+    def release(self, arrival: Arrival | None = None, rider: EndRider | None = None) -> bool:
         self.marked = None if arrival is None else arrival.mark in self._marks
+        self.released_with.append(rider)
         if self._holders.get(self.account_id) is self:
             del self._holders[self.account_id]
             return True
@@ -369,11 +371,21 @@ class FakeGateway:
     def prefetch_token(self, account_id: str) -> None:
         pass  # no token to ask for: the fake keeps none
 
-    def done_with(self, account_id: str) -> None:
+    def account_end(self, account_id: str) -> EndRider | None:
         self.done.append(account_id)
+        return FakeEnd(("pace", "token-lock"), (account_id,))
 
     def sends(self, key: str) -> int:
         return sum(1 for kind, k in self.calls if kind == "create" and k == key)
+
+
+@dataclass(frozen=True)
+class FakeEnd:
+    """What a FakeGateway's account_end hands the lock's release (the fake keeps no state
+    to give back; tests check that the rider reaches the release)."""
+
+    keys: tuple[str, str]
+    args: tuple[bytes | str | float, ...]
 
 
 @dataclass

@@ -21,6 +21,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -248,20 +249,29 @@ class GatewayClient:
         failure, as if it had sent it."""
         self.tokens.prefetch(account_id)
 
-    def done_with(self, account_id: str) -> None:
-        """The caller is about to release the account: this process's unused pacing slots of
-        it go back (:meth:`Pacer.give_back`), so its next holder starts within an interval,
-        and a token refresh its start took and it never made is let go."""
+    def account_end(self, account_id: str) -> EndRider | None:
+        """The caller is about to release the account: what this process gives back with
+        it, for the lock's release to send in its own round trip (``lua/account_end.lua``),
+        so the next holder, in any process, finds it given back. The unused rest of its
+        pacing lease (:meth:`Pacer.returned`: the next holder starts within an interval, not
+        after the lease's window) and a token refresh lock its start took and never used
+        (:meth:`TokenManager.unused_start`). None when there is nothing to give back.
+
+        Never raises for Redis: a token request already sent under that refresh lock is
+        read and its token stored here, and if Redis fails then, the refresh lock's TTL
+        frees it (as for any refresher that dies)."""
+        tat = self.pacer.returned(account_id)
+        owner: str | None = None
         try:
-            self.pacer.give_back(account_id, self._settings.rate_for(account_id))
+            owner = self.tokens.unused_start(account_id)
         except RedisError as exc:
-            # the next holder waits for the rest of the window at most
-            log.warning("pacing_give_back_failed", account_id=account_id, error=str(exc))
-        try:
-            self.tokens.release_started(account_id)
-        except RedisError as exc:
-            # the refresh lock's TTL frees it
             log.warning("token_release_failed", account_id=account_id, error=str(exc))
+        if tat is None and owner is None:
+            return None
+        return EndRider(
+            (self.pacer.key(account_id), self.tokens.lock_key(account_id)),
+            (tat or "", self._settings.rate_for(account_id), owner or ""),
+        )
 
     def close(self) -> None:
         """Close every HTTP connection (a later request opens a new one)."""
@@ -427,6 +437,17 @@ class StartRider:
                 self._client.pacer.started(self._account, self._rate, pace, self._sent)
         except Exception:
             log.exception("account_start_not_kept", account_id=self._account)
+
+
+@dataclass(frozen=True, slots=True)
+class EndRider:
+    """What rides on a lock's release (:class:`payment_worker.locks.arrival.EndRider`,
+    ``lua/account_end.lua``'s KEYS[5..6] and ARGV[3..5]): the account's pacing state and
+    token refresh lock; the lease's ``tat`` or '', the rate, the refresh lock's owner or ''.
+    """
+
+    keys: tuple[str, str]
+    args: tuple[bytes | str | float, ...]
 
 
 def _seg(value: str) -> str:

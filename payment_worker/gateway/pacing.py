@@ -18,7 +18,8 @@ them locally without another round trip:
   waiting process gets the next block first (normally there is none: the account lock
   gives the account to one holder at a time).
 * A holder done with the account (its drain ends, the account lock about to be released)
-  gives the unused rest of its lease back (:meth:`Pacer.give_back`), unless another lease
+  gives the unused rest of its lease back (:meth:`Pacer.returned`, sent in the lock's
+  release; :meth:`Pacer.give_back` with a script of its own), unless another lease
   followed: the next holder, in any process, starts one interval later instead of after
   the window. A window can therefore span many requests at real gateway latency (one
   script per block, not per request) without delaying the next holder; only a holder that
@@ -31,7 +32,7 @@ them locally without another round trip:
   taken) makes the delay up instead of adding it to every interval, while no span of L
   seconds holds more than rate x L + 1.5 of its requests (rate x L + 1 spaced from each
   use: the same whole number for a whole second at a whole rate). Redis learns the holder's
-  spacing when it is done (:meth:`Pacer.give_back` sets the first free slot one interval
+  spacing when it is done (the give-back sets the first free slot one interval
   from then, when its last request is less than an interval back). A holder at real gateway
   latency (one request per second, a quota of 20/s) thus runs one script per drain instead
   of one per request. A holder that dies cannot hand its spacing over, and needs not: its
@@ -344,21 +345,31 @@ class Pacer:
     def give_back(self, account_id: str, rate: float) -> bool:
         """The holder is done with the account: give the unused rest of this process's lease
         back, so the next holder (in any process) starts one interval from now rather than
-        after the lease's window. One script, and only when there is something to give: a
-        lease with slots left whose window has not ended, or a holder that went on past its
-        lease and sent its last request less than an interval ago (the stored timeline does
-        not know that request). True when given back."""
+        after the lease's window. One script, and only when there is something to give
+        (:meth:`returned`). True when given back."""
+        tat = self.returned(account_id)
+        if tat is None:
+            return False
+        return bool(int(self._return(keys=[self.key(account_id)], args=[tat, rate])))
+
+    def returned(self, account_id: str) -> bytes | None:
+        """The holder is done with the account: this process's lease of it is dropped, and
+        the ``tat`` to give back (``pace_return.lua``'s ARGV[1]) is returned when there is
+        something to give, else None: a lease with slots left whose window has not ended, or
+        a holder that went on past its lease and sent its last request less than an
+        interval ago (the stored timeline does not know that request). The caller sends it
+        (:meth:`give_back`, or the lock's release, ``lua/account_end.lua``)."""
         with self._lock:
             lease = self._leases.pop(account_id, None)
         if lease is None or lease.tat is None:
-            return False
+            return None
         now = self._clock()
         if lease.kept:
             if lease.last_use + lease.interval <= now:
-                return False  # its last request is an interval back: any next one may go
+                return None  # its last request is an interval back: any next one may go
         elif lease.left <= 0 or lease.end <= now:
-            return False  # spent, or the window is over: the timeline has passed it already
-        return bool(int(self._return(keys=[self.key(account_id)], args=[lease.tat, rate])))
+            return None  # spent, or the window is over: the timeline has passed it already
+        return lease.tat
 
     def cooldown(self, account_id: str, seconds: float) -> float:
         """Close the account for ``seconds`` in every process (a 429's Retry-After); this

@@ -228,19 +228,20 @@ class TokenManager:
         started.sent = self._send(account_id)
         return True
 
-    def release_started(self, account_id: str) -> bool:
-        """Release a refresh lock taken at the start and not used (the holder sent nothing),
-        so that no other process waits for its TTL. A token request already sent for it is
-        read and its token stored, as a refresh would (the gateway revoked the earlier
-        token when it issued it). True when there was one."""
+    def unused_start(self, account_id: str) -> str | None:
+        """The holder is done with the account: a refresh lock its start took and it never
+        used is settled. A token request already sent under it is read and its token stored,
+        as a refresh would (the gateway revoked the earlier token when it issued it): None.
+        One never sent: its owner value is returned, for the caller to release
+        (``token_release.lua``, or the lock's release, ``lua/account_end.lua``). None too
+        when there was none."""
         started = self._started.pop(account_id, None)
         if started is None:
-            return False
+            return None
         if started.sent is not None:
             self._refresh_owned(account_id, started.owner, started.sent)
-        else:
-            self._release(keys=[self.lock_key(account_id)], args=[started.owner])
-        return True
+            return None
+        return started.owner
 
     # --- the one entry point -----------------------------------------------------------
     def get(self, account_id: str, rejected: str | None = None) -> str | GatewayResult:

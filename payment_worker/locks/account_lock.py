@@ -42,7 +42,7 @@ from payment_worker import lua
 from payment_worker.db.fences import next_fence_token
 from payment_worker.db.retry import transient_reason
 from payment_worker.errors import LockLost, LockNotAcquired
-from payment_worker.locks.arrival import Arrival, Rider
+from payment_worker.locks.arrival import Arrival, EndRider, Rider
 from payment_worker.locks.liveness import (
     TAKEOVER_LUA,
     Liveness,
@@ -72,6 +72,7 @@ DEFAULT_KEY_PREFIX = "pw"
 
 # KEYS = [lock, waiter queue, waiter leases] (+ an arrival mark); header in the file
 _RELEASE_LUA = lua.load("lock_release")
+_END_LUA = lua.load("account_end")
 
 
 def lock_key(account_id: str, key_prefix: str | None = None) -> str:
@@ -182,6 +183,7 @@ class AccountLock:
             renewer = Renewer(client, linger=0.0, name=f"lock-renewer-{account_id}")
         self._renewer = renewer
         self._release = redis.register_script(_RELEASE_LUA)
+        self._end = redis.register_script(_END_LUA)
         # the process's heartbeat (locks/liveness.py); None: a plain token, freed by TTL only
         self._liveness = liveness
         self._epoch = 0
@@ -444,13 +446,16 @@ class AccountLock:
 
     # --- release ----------------------------------------------------------------------
 
-    def release(self, arrival: Arrival | None = None) -> bool:
+    def release(self, arrival: Arrival | None = None, rider: EndRider | None = None) -> bool:
         """Give the lock back: owner-checked, stops its renewal at once, wakes one waiter.
 
         Returns True when the lock was ours and is now free or handed to the oldest
         waiter; False (logged and counted) when it was no longer ours, and False when
         Redis could not be reached (the TTL frees the lock). With ``arrival``, its mark is
-        read in the same round trip: :attr:`marked`.
+        read in the same round trip: :attr:`marked`. With ``rider`` (and ``arrival``), what
+        it gives back goes in that round trip too, before the release and whether or not
+        the lock was still ours (``lua/account_end.lua``); lost with the round trip when
+        Redis cannot be reached (the holder's lease then only runs out).
         """
         self.marked = None
         with self._state:
@@ -463,13 +468,21 @@ class AccountLock:
             return False
         keys = self._queue_keys
         try:
-            extra = [arrival.mark] if arrival is not None else []
-            reply = self._release(keys=keys + extra, args=[token, self.ttl_ms])
-            code = int(reply[0])
-            if extra:
-                self.marked = int(reply[-1]) == 1
+            if rider is not None and arrival is not None:
+                reply = self._end(
+                    keys=[*keys, arrival.mark, *rider.keys],
+                    args=[token, self.ttl_ms, *rider.args],
+                )
+                released = reply[0]
+                self.marked = int(reply[1]) == 1
+            else:
+                extra = [arrival.mark] if arrival is not None else []
+                released = self._release(keys=keys + extra, args=[token, self.ttl_ms])
+                if extra:
+                    self.marked = int(released[-1]) == 1
+            code = int(released[0])
             if code == 2:
-                nxt = _text(reply[1])
+                nxt = _text(released[1])
                 wake = self._keys.lock_wake(self.account_id, nxt)
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.lpush(wake, 1)

@@ -13,6 +13,9 @@ A rider does the same for the gateway: the account's shared token and a block of
 slots are read in the lock's round trip, and only when the lock is taken, instead of in two
 round trips of their own before the first request. The lock only carries its keys and
 arguments, and hands the answers back (:class:`payment_worker.gateway.client.StartRider`).
+An end rider does the same at the release: what the holder gives back (the rest of its
+pacing lease, a token refresh lock it never used) goes in the release's round trip
+(:class:`EndRider`, ``lua/account_end.lua``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,22 @@ class Rider(Protocol):
 
     def taken(self, token: list[Any], pace: list[Any]) -> None:
         """The lock was taken: the script's token and pacing answers (empty when not asked)."""
+        ...
+
+
+class EndRider(Protocol):
+    """What rides on a lock's release (``lua/account_end.lua``'s KEYS[5..6], ARGV[3..5]):
+    what the holder gives back as it lets the account go."""
+
+    @property
+    def keys(self) -> tuple[str, str]:
+        """The pacing state and the token refresh lock of the account."""
+        ...
+
+    @property
+    def args(self) -> tuple[bytes | str | float, ...]:
+        """The lease's ``tat`` to give back ('' for none), the rate, and the refresh lock's
+        owner value to release ('' for none)."""
         ...
 
 

@@ -13,24 +13,8 @@
 -- each reply ends with 1 when the mark exists (work arrived while the lock was held), else 0.
 -- #include now_ms
 -- #include lock_queue
-local r = {1}
-local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then
-  if cur then r = {-1} else r = {0} end
-else
-  if redis.call('EXISTS', KEYS[2]) == 1 then
-    local nxt = live_head(now_ms())
-    if nxt then
-      redis.call('LPOP', KEYS[2])
-      redis.call('HDEL', KEYS[3], nxt)
-      redis.call('SET', KEYS[1], nxt, 'PX', ARGV[2])
-      r = {2, nxt}
-    end
-  end
-  if r[1] == 1 then
-    redis.call('DEL', KEYS[1])
-  end
-end
+-- #include lock_release
+local r = lock_release(ARGV[1], ARGV[2])
 if #KEYS >= 4 then
   r[#r + 1] = redis.call('EXISTS', KEYS[4])
 end

@@ -9,9 +9,5 @@
 -- instead of after the lease's window, and no two requests come closer than an interval.
 -- Returns 1 when given back, 0 when another lease followed (nothing to give back).
 -- #include now_ms
-if redis.call('HGET', KEYS[1], 'tat') ~= ARGV[1] then
-  return 0
-end
-local now = now_ms()
-redis.call('HSET', KEYS[1], 'tat', string.format('%.3f', now + 1000 / tonumber(ARGV[2])))
-return 1
+-- #include pace_return
+return pace_return(KEYS[1], ARGV[1], tonumber(ARGV[2]))

@@ -4,7 +4,5 @@
 -- ARGV[1]  our owner value
 --
 -- Returns 1 deleted; 0 the lock expired or belongs to another refresher (left alone).
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
+-- #include token_release
+return token_release(KEYS[1], ARGV[1])

@@ -134,18 +134,20 @@ class Drainer:
             IN_PROGRESS.inc()
             try:
                 # a token the start found needed is asked for now: its answer comes back
-                # while the first claim runs (read, and its lock let go, by done_with at
+                # while the first claim runs (read, and its lock let go, by account_end at
                 # the latest)
                 self._gateway.prefetch_token(account_id)
                 self._drain(lock, batch_id, report)  # everything committed so far
             finally:
                 IN_PROGRESS.dec()
+                end = None
                 try:
-                    # before the lock goes: whoever takes the account next finds the pacing
-                    # slots this holder leased and did not use already given back
-                    self._gateway.done_with(account_id)
+                    # what the holder leased and did not use (pacing slots, a token refresh)
+                    # goes back in the release's round trip, before the lock goes: whoever
+                    # takes the account next finds it given back
+                    end = self._gateway.account_end(account_id)
                 finally:
-                    lock.release(arrival)  # and reads the mark, in one round trip
+                    lock.release(arrival, end)  # and reads the mark, in one round trip
                 BATCH_SECONDS.observe(self._clock() - started)
             if report.handed_off:
                 self._queue.hand_off(account_id, batch_id)

@@ -15,7 +15,7 @@ from payment_worker.db.work import Claim
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.domain.transitions import ItemOutcome
 from payment_worker.gateway.outcomes import GatewayResult
-from payment_worker.locks.arrival import Arrival, Rider
+from payment_worker.locks.arrival import Arrival, EndRider, Rider
 
 Guard = Callable[[], None]
 """Raises when the caller may no longer send (the lock's ``ensure_held``)."""
@@ -95,9 +95,10 @@ class HeldLock(Protocol):
         ``LOCK_MAX_STALL_SECONDS`` loses its lock (the watchdog stops renewing it)."""
         ...
 
-    def release(self, arrival: Arrival | None = None) -> bool:
+    def release(self, arrival: Arrival | None = None, rider: EndRider | None = None) -> bool:
         """Give the lock back (owner-checked); with ``arrival``, read its mark in the same
-        step into :attr:`marked`."""
+        step into :attr:`marked`; with ``rider`` too, give back what it names in that step
+        (:meth:`Gateway.account_end`)."""
         ...
 
     @property
@@ -147,11 +148,12 @@ class Gateway(Protocol):
         request (the gateway's latency spent while the claim runs). Never raises."""
         ...
 
-    def done_with(self, account_id: str) -> None:
-        """The caller is about to release the account: give back what it reserved for its
-        next requests (pacing slots, a token refresh it took and did not make), so the next
-        holder need not wait for them. Never raises for a shared-state error (at worst the
-        next holder waits)."""
+    def account_end(self, account_id: str) -> EndRider | None:
+        """The caller is about to release the account: what it reserved for its next
+        requests and did not use (pacing slots, a token refresh it took and did not make),
+        to give back in the lock's release, so the next holder need not wait for them; None
+        when there is nothing. Never raises for a shared-state error (at worst the next
+        holder waits)."""
         ...
 
 

@@ -6,6 +6,7 @@ to spend two round trips of its own. Real Postgres and Redis, the simulator over
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ import redis
 
 from payment_worker import lua, runtime
 from payment_worker.dev.samples import make_batches
+from payment_worker.locks.account_lock import AccountLock
+from payment_worker.locks.arrival import Arrival
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker import drain
 from payment_worker.worker.queueing import RedisAccountQueue
@@ -34,7 +37,17 @@ def commands(res: runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     """The commands the runtime's Redis client sends (each one a round trip), with the
     script's name for EVALSHA."""
     names = {}
-    for name in ("account_start", "lock_take", "token_claim", "pace_acquire", "token_store"):
+    for name in (
+        "account_start",
+        "lock_take",
+        "token_claim",
+        "pace_acquire",
+        "token_store",
+        "account_end",
+        "lock_release",
+        "pace_return",
+        "token_release",
+    ):
         names[res.redis.register_script(lua.load(name)).sha] = name
     sent: list[str] = []
     client = res.redis
@@ -64,6 +77,8 @@ def test_a_fresh_account_starts_in_one_round_trip_and_refreshes_under_its_lock(
     ledger = gateway_sim.ledger()
     assert ledger["tokens_issued_per_account"] == {warm["account_id"]: 1, batch["account_id"]: 1}
     assert ledger["http_429_by_cause"]["rate"] == 0
+    # and it ends in one round trip too: the lease's unused slots went back with the lock
+    assert commands == ["account_start", "token_store", "account_end"], commands
     # the refresh lock taken at the start was released by the token's store
     assert not res.redis.exists(res.gateway.tokens.lock_key(batch["account_id"]))
 
@@ -106,20 +121,63 @@ def test_a_busy_lock_reads_nothing_and_takes_no_refresh_lock(
         holder.release()
 
 
-def test_a_start_that_sends_nothing_lets_its_refresh_lock_go(
-    res: runtime.Runtime, gateway_sim: SimHandle, redis_client: redis.Redis
-) -> None:
-    """A holder that finds nothing due still took the refresh lock (no token yet): its
-    done_with releases it, so no other process waits for its TTL."""
-    acct = "acct-idle"
+@dataclass(frozen=True)
+class Held:
+    """An account's lock taken with a start rider: what its release gives back."""
+
+    lock: AccountLock
+    arrival: Arrival
+    token_lock: str  # the refresh lock the start took (the account has no token yet)
+    pace_key: str
+    leased_to: float  # the pacing `tat` the start's lease left, in server ms
+
+
+def _taken_with_rider(res: runtime.Runtime, acct: str) -> Held:
     lock = res.account_lock(acct)
     rider = res.gateway.account_start(acct)
     assert rider is not None
-    assert lock.acquire(arrival=RedisAccountQueue(res).arrival(acct, "b-1"), rider=rider)
-    token_lock = res.gateway.tokens.lock_key(acct)
-    assert redis_client.exists(token_lock)  # taken at the start
+    arrival = RedisAccountQueue(res).arrival(acct, "b-1")
+    assert lock.acquire(arrival=arrival, rider=rider)
+    pace_key = res.gateway.pacer.key(acct)
+    leased_to = float(res.redis.hget(pace_key, "tat") or 0)
+    return Held(lock, arrival, res.gateway.tokens.lock_key(acct), pace_key, leased_to)
+
+
+def test_a_start_that_sends_nothing_gives_its_refresh_lock_and_lease_back_as_it_releases(
+    res: runtime.Runtime, gateway_sim: SimHandle, redis_client: redis.Redis, commands: list[str]
+) -> None:
+    """A holder that finds nothing due still took the refresh lock (no token yet) and a
+    lease of pacing slots: its lock's release gives both back in its own round trip
+    (lua/account_end.lua), so no other process waits for the refresh lock's TTL, and the
+    next holder's first slot is one interval away, not the lease's window."""
+    acct = "acct-idle"
+    held = _taken_with_rider(res, acct)
+    assert redis_client.exists(held.token_lock)  # taken at the start
     assert res.gateway.pacer._leases.get(acct) is not None  # a lease kept, no slot used
-    res.gateway.done_with(acct)
-    lock.release()
-    assert not redis_client.exists(token_lock)
+    commands.clear()
+    end = res.gateway.account_end(acct)
+    assert end is not None and commands == []  # nothing sent before the release
+    assert held.lock.release(held.arrival, end)
+    assert commands == ["account_end"]
+    assert held.lock.marked is False
+    assert not redis_client.exists(held.token_lock) and not redis_client.exists(held.lock.key)
+    seconds, micros = redis_client.time()
+    given_to = float(redis_client.hget(held.pace_key, "tat") or 0)
+    assert given_to < held.leased_to
+    assert given_to <= seconds * 1000 + micros / 1000 + 1000 / res.settings.rate_for(acct)
+    assert not res.gateway.pacer._leases and res.gateway.account_end(acct) is None
     assert gateway_sim.ledger()["tokens_issued"] == 0
+
+
+def test_an_end_rider_gives_back_even_when_the_lock_was_lost(
+    res: runtime.Runtime, redis_client: redis.Redis
+) -> None:
+    """The lock expired under the holder (a pause): its release changes nothing of the lock,
+    but the lease's rest and the refresh lock, each owner-checked, still go back."""
+    held = _taken_with_rider(res, "acct-lost")
+    redis_client.set(held.lock.key, "someone-else")  # taken over after an expiry
+    end = res.gateway.account_end("acct-lost")
+    assert not held.lock.release(held.arrival, end)
+    assert redis_client.get(held.lock.key) == b"someone-else"
+    assert not redis_client.exists(held.token_lock)
+    assert float(redis_client.hget(held.pace_key, "tat") or 0) < held.leased_to

@@ -18,7 +18,7 @@ from payment_worker.domain.retry import Backoff
 from payment_worker.domain.statuses import TxStatus
 from payment_worker.domain.transitions import Policy
 from payment_worker.gateway.outcomes import Outcome
-from payment_worker.locks.arrival import Arrival
+from payment_worker.locks.arrival import Arrival, EndRider
 from payment_worker.worker.drain import Drainer, DrainLimits
 from tests.fakes import (
     FakeClock,
@@ -122,19 +122,24 @@ def test_a_claim_that_takes_the_last_due_item_is_not_followed_by_an_empty_one(
     assert w.store.finishes == 1 and w.store.completed == [1]
 
 
-def test_the_holder_gives_its_pacing_back_while_it_still_holds_the_lock(w: World) -> None:
+def test_the_holder_gives_its_pacing_back_in_its_locks_release(w: World) -> None:
     w.store.add(ACCT, 1, 3)
     held_then: list[bool] = []
-    done_with = w.gateway.done_with
+    riders: list[EndRider | None] = []
+    account_end = w.gateway.account_end
 
-    def spy(account_id: str) -> None:
+    def spy(account_id: str) -> EndRider | None:
         held_then.append(account_id in w.holders)
-        done_with(account_id)
+        riders.append(account_end(account_id))
+        return riders[-1]
 
-    w.gateway.done_with = spy  # type: ignore[method-assign]
+    w.gateway.account_end = spy  # type: ignore[method-assign]
     w.run()
-    # once per drain, before the release: the next holder finds the slots given back
+    # once per drain, asked while the lock is held, and sent with its release: the next
+    # holder finds the slots given back
     assert w.gateway.done == [ACCT] and held_then == [True] and w.holders == {}
+    assert riders[0] is not None
+    assert [lock.released_with for lock in w.locks] == [riders]
 
 
 def test_every_gateway_call_of_a_drain_is_made_as_the_locks_holder(w: World) -> None:
@@ -300,12 +305,14 @@ def test_the_holder_rechecks_the_mark_after_releasing_and_drains_again(w: World)
             first_lock.append(lock)
             release = lock.release
 
-            def new_work_then_release(arrival: Arrival | None = None) -> bool:
+            def new_work_then_release(
+                arrival: Arrival | None = None, rider: EndRider | None = None
+            ) -> bool:
                 # a batch committed after the holder's last claim, whose task found the lock
                 # busy and left its mark: only the holder's check as it releases sees it now
                 late.extend(w.store.add(ACCT, 2, 3))
                 w.queue.announce(ACCT, "batch-2")
-                return release(arrival)
+                return release(arrival, rider)
 
             lock.release = new_work_then_release  # type: ignore[method-assign]
         return lock

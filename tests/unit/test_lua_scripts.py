@@ -33,6 +33,7 @@ def code(text: str) -> str:
 
 def test_the_scripts_are_there() -> None:
     assert SCRIPTS == [
+        "account_end",
         "account_start",
         "broker_take",
         "lock_cancel",
@@ -52,10 +53,13 @@ def test_the_scripts_are_there() -> None:
     ]
     assert LIBS == [
         "lock_queue",
+        "lock_release",
         "lock_take",
         "now_ms",
         "pace_lease",
+        "pace_return",
         "token_claim",
+        "token_release",
         "unacked_record",
     ]
 
