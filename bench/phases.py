@@ -13,6 +13,12 @@ first and last payment, and how much of the time lost to long gaps falls on a ch
 internals by name and cost the workers a little CPU: compare runs of this script with each
 other, not with ``bench/throughput.py``'s tables. Uses DATABASE_URL / REDIS_URL as
 ``bench/throughput.py`` does.
+
+``--cpu``: the machine's cores are sampled from ``/proc/stat`` every 0.1 s while it runs,
+and the share of them busy is printed over the run's three spans: until the last account's
+first payment left (the start), until the first drain ended (the payments), and until the
+last one ended (the end); and per 0.1 s. Every process of the machine counts (workers,
+simulator, Postgres, Redis), so run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -142,10 +150,65 @@ def gap_table(sends: dict[str, list[float]], rate: float, chunk: int) -> list[st
     ]
 
 
+class CpuSampler(threading.Thread):
+    """The machine's busy share from ``/proc/stat``: (wall time at the end, busy fraction)
+    of each ``every`` seconds, until :meth:`stop`."""
+
+    def __init__(self, every: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.every = every
+        self.samples: list[tuple[float, float]] = []
+        self._halt = threading.Event()
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
+    def run(self) -> None:
+        total, idle = self._read()
+        while not self._halt.wait(self.every):
+            now_total, now_idle = self._read()
+            spent = now_total - total
+            if spent > 0:
+                self.samples.append((time.time(), 1 - (now_idle - idle) / spent))
+            total, idle = now_total, now_idle
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+def cpu_table(first: dict[str, dict[str, float]], samples: list[tuple[float, float]]) -> list[str]:
+    """The cores' busy share over the start, the payments and the end of the run."""
+    paid = [a for a, ev in first.items() if "task" in ev and "create_sent" in ev and "end" in ev]
+    if not paid or not samples:
+        return ["no CPU samples, or no account stamped from its task to its end"]
+    t0 = min(first[a]["task"] for a in paid)
+    marks = [
+        ("the accounts start: until the last first payment left", "create_sent", max),
+        ("the payments: until the first drain ended", "end", min),
+        ("the drains end: until the last one ended", "end", max),
+    ]
+    rows = ["| span | seconds from the first task | cores busy (mean of 0.1 s samples) |"]
+    rows.append("|---|---|---|")
+    start = t0
+    for label, event, pick in marks:
+        stop = pick(first[a][event] for a in paid)
+        inside = [busy for at, busy in samples if start < at <= stop + 0.05]
+        mean = f"{100 * sum(inside) / len(inside):.0f} %" if inside else "-"
+        rows.append(f"| {label} | {start - t0:.2f} to {stop - t0:.2f} | {mean} |")
+        start = stop
+    per = [f"{at - t0:.1f}:{100 * busy:.0f}" for at, busy in samples if t0 < at <= start + 0.3]
+    return [*rows, "", "cores busy per 0.1 s (seconds: %): " + " ".join(per)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scenario", type=int, default=4)
     p.add_argument("--rate", type=float, default=100.0, help="as bench/throughput.py's")
+    p.add_argument("--cpu", action="store_true", help="sample the cores' busy share")
     p.add_argument("rest", nargs="*", help="after --: more bench/throughput.py arguments")
     args = p.parse_args()
     sys.path.insert(0, str(HERE.parent))
@@ -159,7 +222,14 @@ def main() -> int:
         )
         command = [sys.executable, str(HERE / "throughput.py"), "--scenario", str(args.scenario)]
         command += ["--rate", f"{args.rate:g}", *args.rest]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        sampler = CpuSampler()
+        if args.cpu:
+            sampler.start()
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        finally:
+            if args.cpu:
+                sampler.stop()
         for line in done.stdout.splitlines():
             if line.startswith(("# throughput", f"| {args.scenario}.")):
                 print(line)
@@ -173,6 +243,9 @@ def main() -> int:
     print("\n".join(worker_table(first, owner)))
     print()
     print("\n".join(gap_table(sends, args.rate, chunk)))
+    if args.cpu:
+        print()
+        print("\n".join(cpu_table(first, sampler.samples)))
     return 0
 
 
