@@ -452,11 +452,14 @@ class AccountLock:
         Returns True when the lock was ours and is now free or handed to the oldest
         waiter; False (logged and counted) when it was no longer ours, and False when
         Redis could not be reached (the TTL frees the lock). With ``arrival``, its mark is
-        read in the same round trip: :attr:`marked`. With ``rider`` (and ``arrival``), what
-        it gives back goes in that round trip too, before the release and whether or not
-        the lock was still ours (``lua/account_end.lua``); lost with the round trip when
-        Redis cannot be reached (the holder's lease then only runs out).
+        read in the same round trip: :attr:`marked`. With ``rider`` (only with ``arrival``:
+        a ValueError otherwise), what it gives back goes in that round trip too, before the
+        release and whether or not the lock was still ours (``lua/account_end.lua``); lost
+        with the round trip when Redis cannot be reached (the holder's lease then only runs
+        out).
         """
+        if rider is not None and arrival is None:
+            raise ValueError("an end rider goes with the arrival whose mark the release reads")
         self.marked = None
         with self._state:
             token = self._token
@@ -468,7 +471,7 @@ class AccountLock:
             return False
         keys = self._queue_keys
         try:
-            if rider is not None and arrival is not None:
+            if rider is not None and arrival is not None:  # (both, checked above)
                 reply = self._end(
                     keys=[*keys, arrival.mark, *rider.keys],
                     args=[token, self.ttl_ms, *rider.args],

@@ -181,3 +181,16 @@ def test_an_end_rider_gives_back_even_when_the_lock_was_lost(
     assert redis_client.get(held.lock.key) == b"someone-else"
     assert not redis_client.exists(held.token_lock)
     assert float(redis_client.hget(held.pace_key, "tat") or 0) < held.leased_to
+
+
+def test_an_end_rider_without_an_arrival_is_refused_before_anything_is_sent(
+    res: runtime.Runtime, redis_client: redis.Redis
+) -> None:
+    held = _taken_with_rider(res, "acct-no-arrival")
+    end = res.gateway.account_end("acct-no-arrival")
+    assert end is not None
+    with pytest.raises(ValueError, match="end rider"):
+        held.lock.release(rider=end)
+    assert held.lock.held and redis_client.exists(held.lock.key)  # still ours, untouched
+    assert held.lock.release(held.arrival, end)
+    assert not redis_client.exists(held.token_lock)
