@@ -91,6 +91,7 @@ def run_one(pool_size: int, args: argparse.Namespace) -> dict[str, Any]:
             stop.set()
             sampler.join()
             ledger = cluster.ledger()
+        assert row is not None
         done, window = int(row[0]), float(row[1] or 0.0)
     return {
         "pool": pool_size,

@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ class NaiveTokens:
 
     def __init__(self, client: GatewayClient) -> None:
         send = client._send_token
-        self._fetch = lambda account_id: send(account_id).read()
+        self._fetch: Callable[[str], Any] = lambda account_id: send(account_id).read()
         self._cache: dict[str, tuple[str, float]] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -92,7 +93,7 @@ def _token_worker(
     configure_logging("WARNING")
     client = gateway_client(Settings())
     if mode == "naive":
-        client.tokens = NaiveTokens(client)  # type: ignore[assignment]
+        client.tokens = NaiveTokens(client)
     outcomes: Counter[str] = Counter()
     latencies: list[float] = []
     lock = threading.Lock()

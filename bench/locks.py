@@ -56,7 +56,7 @@ class CountingConnection(redis.Connection):
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         CountingConnection.sends += 1
-        super().send_packed_command(command, check_health)
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
 
 
 class PgTrace:

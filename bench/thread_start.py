@@ -82,7 +82,7 @@ def main() -> int:
             cases: dict[str, Callable[[], None]] = {}
             cases["bare thread"] = lambda: None
             shared = sharded_client(redis_url, health_check_interval=10)
-            cases["runtime's client (32 shared pools)"] = functools.partial(
+            cases["runtime's client (32 shared pools)"] = functools.partial(  # type: ignore[assignment]
                 shared.get, "pw-bench-thread-start"
             )
             own = per_thread_client(redis_url, health_check_interval=10)

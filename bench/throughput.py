@@ -183,6 +183,13 @@ def _redis_calls(r: Any) -> int:
     return sum(_redis_by_command(r).values())
 
 
+def _one(conn: Any, sql: str) -> Any:
+    """The first column of a query's one row."""
+    row = conn.execute(sql).fetchone()
+    assert row is not None
+    return row[0]
+
+
 def _xacts(conn: Any) -> int:
     row = conn.execute(
         "SELECT xact_commit + xact_rollback FROM pg_stat_database "
@@ -418,15 +425,15 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 # whether any item is still open (it stops at the first): a count of the
                 # terminal ones scanned the whole table 20 times a second (up to 12 ms each in
                 # scenario 5), Postgres CPU charged to the run
-                if not conn.execute(
-                    f"SELECT EXISTS (SELECT 1 FROM transactions WHERE {OPEN_TX_PREDICATE})"
-                ).fetchone()[0]:
+                if not _one(
+                    conn, f"SELECT EXISTS (SELECT 1 FROM transactions WHERE {OPEN_TX_PREDICATE})"
+                ):
                     break
                 if time.monotonic() - t0 > args.timeout:
                     sampler.stop()
-                    left = conn.execute(
-                        f"SELECT count(*) FROM transactions WHERE {OPEN_TX_PREDICATE}"
-                    ).fetchone()[0]
+                    left = _one(
+                        conn, f"SELECT count(*) FROM transactions WHERE {OPEN_TX_PREDICATE}"
+                    )
                     raise SystemExit(f"scenario {num}: timeout with {total - left}/{total} done")
                 time.sleep(0.05)
             elapsed = time.monotonic() - t0
@@ -442,9 +449,11 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
             time.sleep(1.2)  # PostgreSQL publishes backend statistics at most once a second
             x1 = _xacts(conn) - polls - 1
             # sends and lookups beyond one send per item (retries of any cause)
-            extra_sends, lookups = conn.execute(
+            sums = conn.execute(
                 "SELECT sum(attempts) - count(*), sum(lookups) FROM transactions"
             ).fetchone()
+            assert sums is not None
+            extra_sends, lookups = sums
         _wait_ready(ports)  # every /metrics up (they are, by now) before the scrape
         execs: dict[str, float] = {}
         per_worker: list[int] = []  # task executions of each worker process: the balance

@@ -5,7 +5,7 @@ to spend two round trips of its own. Real Postgres and Redis, the simulator over
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,7 @@ def commands(res: runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         names[res.redis.register_script(lua.load(name)).sha] = name
     sent: list[str] = []
     client = res.redis
-    original = client.execute_command
+    original: Callable[..., Any] = client.execute_command
 
     def counting(*args: Any, **options: Any) -> Any:
         cmd = str(args[0])
