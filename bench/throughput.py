@@ -191,11 +191,13 @@ def _one(conn: Any, sql: str) -> Any:
 
 
 def _xacts(conn: Any) -> int:
-    row = conn.execute(
-        "SELECT xact_commit + xact_rollback FROM pg_stat_database "
-        "WHERE datname = current_database()"
-    ).fetchone()
-    return int(row[0])
+    return int(
+        _one(
+            conn,
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database "
+            "WHERE datname = current_database()",
+        )
+    )
 
 
 def _scrape(port: int) -> dict[str, float]:

@@ -19,7 +19,7 @@ them locally without another round trip:
   gives the account to one holder at a time).
 * A holder done with the account (its drain ends, the account lock about to be released)
   gives the unused rest of its lease back (:meth:`Pacer.returned`, sent in the lock's
-  release; :meth:`Pacer.give_back` with a script of its own), unless another lease
+  release), unless another lease
   followed: the next holder, in any process, starts one interval later instead of after
   the window. A window can therefore span many requests at real gateway latency (one
   script per block, not per request) without delaying the next holder; only a holder that
@@ -47,7 +47,8 @@ them locally without another round trip:
 
 Key: ``{prefix}:pace:{account}`` (a hash: ``tat``, ``until``; the ``{account}`` hash tag keeps
 all of an account's keys in one Redis Cluster slot). Scripts: ``lua/pace_acquire.lua``,
-``lua/pace_return.lua``, ``lua/pace_cooldown.lua``.
+``lua/pace_cooldown.lua``, and the give-back's ``lua/lib/pace_return.lua`` in the lock's
+release (``lua/account_end.lua``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ from payment_worker.redis_keys import RedisKeys
 # lease slots (or the ms to wait) and record a 429's cooldown, on the server's clock
 _ACQUIRE = lua.load("pace_acquire")
 _COOLDOWN = lua.load("pace_cooldown")
-_RETURN = lua.load("pace_return")
 
 # leases kept in a process before the expired ones are swept (one per account in flight)
 _SWEEP_AT = 1024
@@ -117,7 +117,6 @@ class Pacer:
         self._clock = clock
         self._acquire = redis_client.register_script(_ACQUIRE)
         self._cooldown = redis_client.register_script(_COOLDOWN)
-        self._return = redis_client.register_script(_RETURN)
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         # accounts whose lease script is in flight: the process's other threads wait for its
@@ -342,23 +341,14 @@ class Pacer:
             time.sleep(min(wait, self._max_poll))
             waited = time.monotonic() - start
 
-    def give_back(self, account_id: str, rate: float) -> bool:
-        """The holder is done with the account: give the unused rest of this process's lease
-        back, so the next holder (in any process) starts one interval from now rather than
-        after the lease's window. One script, and only when there is something to give
-        (:meth:`returned`). True when given back."""
-        tat = self.returned(account_id)
-        if tat is None:
-            return False
-        return bool(int(self._return(keys=[self.key(account_id)], args=[tat, rate])))
-
     def returned(self, account_id: str) -> bytes | None:
         """The holder is done with the account: this process's lease of it is dropped, and
-        the ``tat`` to give back (``pace_return.lua``'s ARGV[1]) is returned when there is
+        the ``tat`` to give back (``lua/account_end.lua``'s ARGV[3]) is returned when there is
         something to give, else None: a lease with slots left whose window has not ended, or
         a holder that went on past its lease and sent its last request less than an
-        interval ago (the stored timeline does not know that request). The caller sends it
-        (:meth:`give_back`, or the lock's release, ``lua/account_end.lua``)."""
+        interval ago (the stored timeline does not know that request). The lock's release
+        sends it (``lua/account_end.lua``: if nobody leased since, the first free slot
+        becomes one interval from then)."""
         with self._lock:
             lease = self._leases.pop(account_id, None)
         if lease is None or lease.tat is None:

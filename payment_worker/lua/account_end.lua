@@ -1,7 +1,7 @@
 -- account_end: the end of a drain in one round trip: what the holder is done with given
 -- back, then the account lock released as lock_release.lua releases it, and the "work
 -- waiting" mark read. What it gives back, each only when asked: the unused rest of its
--- pacing lease (as pace_return.lua) and a token refresh lock its start took and it never
+-- pacing lease (lib/pace_return) and a token refresh lock its start took and it never
 -- used (as token_release.lua). Both are given back whether or not the lock was still ours:
 -- each checks its own owner.
 --

@@ -45,7 +45,6 @@ def commands(res: runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         "token_store",
         "account_end",
         "lock_release",
-        "pace_return",
         "token_release",
     ):
         names[res.redis.register_script(lua.load(name)).sha] = name

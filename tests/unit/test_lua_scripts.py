@@ -44,7 +44,6 @@ def test_the_scripts_are_there() -> None:
         "lock_wait",
         "pace_acquire",
         "pace_cooldown",
-        "pace_return",
         "schedule_claim",
         "schedule_clear",
         "token_claim",
