@@ -9,7 +9,10 @@ gateway request sent and answered, per account. Then prints, over the accounts, 
 phase was reached and how long it took (quantiles 0 / 10 / 50 / 90 / 100 %, seconds from the
 first task's start), and the gaps between an account's payments: its send rate between its
 first and last payment, and how much of the time lost to long gaps falls on a chunk boundary
-(every ``PROCESS_CHUNK_SIZE`` items the holder records and claims). The stamps patch
+(every ``PROCESS_CHUNK_SIZE`` items the holder records and claims), and each gap split in
+two: the request's round trip (from its send to its answer, as the worker stamps them: the
+gateway's latency, the simulator's and the worker's queues) and the worker's own turn (from
+the answer to the account's next send). The stamps patch
 internals by name and cost the workers a little CPU: compare runs of this script with each
 other, not with ``bench/throughput.py``'s tables. Uses DATABASE_URL / REDIS_URL as
 ``bench/throughput.py`` does.
@@ -54,12 +57,15 @@ def _q(values: list[float]) -> str:
 
 def read(
     directory: Path,
-) -> tuple[dict[str, dict[str, float]], dict[str, list[float]], dict[str, str]]:
-    """Each account's first stamp per event, its payments' send times, and the worker
-    process (pid) that drained it."""
+) -> tuple[
+    dict[str, dict[str, float]], dict[str, list[float]], dict[str, str], dict[str, list[float]]
+]:
+    """Each account's first stamp per event, its payments' send times, the worker process
+    (pid) that drained it, and its payments' answer times."""
     first: dict[str, dict[str, float]] = collections.defaultdict(dict)
     sends: dict[str, list[float]] = collections.defaultdict(list)
     owner: dict[str, str] = {}
+    answers: dict[str, list[float]] = collections.defaultdict(list)
     for path in directory.glob("ev-*.log"):
         pid = path.stem.removeprefix("ev-")
         for line in path.read_text().splitlines():
@@ -72,7 +78,30 @@ def read(
                 owner.setdefault(account, pid)
             if event == "create_sent":
                 sends[account].append(float(at))
-    return first, sends, owner
+            elif event == "create_answered":
+                answers[account].append(float(at))
+    return first, sends, owner, answers
+
+
+def split_table(sends: dict[str, list[float]], answers: dict[str, list[float]]) -> list[str]:
+    """A payment's gap split in two: from its send to its answer in the worker (the request's
+    round trip: the gateway's latency, both processes' queues, the bytes both ways), and from
+    the answer to the account's next send (the worker's own turn: the outcome, the next
+    request, a wait for the GIL)."""
+    trips, turns = [], []
+    for account, sent in sends.items():
+        got = sorted(answers.get(account, []))
+        sent = sorted(sent)
+        if len(got) != len(sent):
+            continue  # a send without its answer (or the reverse): not paired
+        trips += [(b - a) * 1000 for a, b in zip(sent, got, strict=True)]
+        turns += [(b - a) * 1000 for a, b in zip(got, sent[1:], strict=False)]
+    if not trips or not turns:
+        return ["no account's payments could be paired with their answers"]
+    return [
+        f"send to answer (round trip), ms: {_q(trips)}",
+        f"answer to the next send (the worker's turn), ms: {_q(turns)}",
+    ]
 
 
 def phase_table(first: dict[str, dict[str, float]]) -> list[str]:
@@ -236,13 +265,14 @@ def main() -> int:
         if done.returncode != 0:
             print(done.stderr[-2000:], file=sys.stderr)
             return done.returncode
-        first, sends, owner = read(Path(tmp))
+        first, sends, owner, answers = read(Path(tmp))
     print()
     print("\n".join(phase_table(first)))
     print()
     print("\n".join(worker_table(first, owner)))
     print()
     print("\n".join(gap_table(sends, args.rate, chunk)))
+    print("\n".join(split_table(sends, answers)))
     if args.cpu:
         print()
         print("\n".join(cpu_table(first, sampler.samples)))
