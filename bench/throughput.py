@@ -31,9 +31,11 @@ per worker process (peak, a prefork worker counted with its children); Postgres
 connections per worker process (peak of pg_stat_activity sampled by application_name,
 each worker gets its own PGAPPNAME); Postgres transactions per item
 (pg_stat_database.xact_commit + xact_rollback: every worker statement is its own
-transaction); Redis commands per item (INFO commandstats, app + broker); CPU microseconds
-per item by process kind; double payments from the simulator's ledger (must be 0); for the
-latency scenarios the bound min(accounts / latency, scenario 1's rate in the same run).
+transaction; read once the workers have stopped and their backends exited, since an idle
+backend publishes its counts only 10 s after its last statement); Redis commands per item
+(INFO commandstats, app + broker); CPU microseconds per item by process kind; double
+payments from the simulator's ledger (must be 0); for the latency scenarios the bound
+min(accounts / latency, scenario 1's rate in the same run).
 ``PW_BENCH_SERIES=1`` also prints each run's samples (messages waiting / accounts in flight,
 every 0.2 s): whether the accounts or the intake were the limit. The task executions of
 each worker process are printed too: whether the load was shared; and the intake, the
@@ -198,6 +200,36 @@ def _xacts(conn: Any) -> int:
             "WHERE datname = current_database()",
         )
     )
+
+
+def _xacts_after_workers(cluster: Any, conn: Any, db_url: str) -> int:
+    """The scratch database's transactions once the workers have stopped.
+
+    PostgreSQL 15 publishes a backend's statistics at a transaction's end at most once a
+    second, and an idle backend's only 10 s after its last statement: read at once (or a
+    second later, as before the twenty-fifth session), the counts missed up to 90 % of a
+    short run's statements. A backend publishes them when it exits: the workers stop (their
+    connections close), their backends are waited for, and ``conn``'s own statements are
+    flushed (``pg_stat_force_next_flush``, PostgreSQL 15 and later) before the count. It
+    includes that statement and the workers' few statements after the run (a sweeper pass,
+    the shutdown)."""
+    import psycopg
+
+    for worker in cluster.workers():
+        worker.stop()
+    name = conn.info.dbname
+    with psycopg.connect(with_path(db_url, "/postgres"), autocommit=True) as admin:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            row = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
+                (name, conn.info.backend_pid),
+            ).fetchone()
+            if row is not None and row[0] == 0:
+                break
+            time.sleep(0.05)
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    return _xacts(conn)
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -373,6 +405,10 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     for b in batches:
         assert submit_batch(b).status == "accepted"
     enqueue_s = time.monotonic() - t_pub
+    # the load's connections closed: a backend publishes its statistics when it exits, and an
+    # idle one only 10 s after its last statement (PostgreSQL 15), which would count the
+    # load's transactions inside the run
+    runtime.reset()
     env = {**os.environ, "GATEWAY_RATE_PER_SECOND": str(args.rate)}
     # the default LOG_LEVEL (INFO), as users run it, unless PW_BENCH_LOG_LEVEL says otherwise
     if os.environ.get("PW_BENCH_LOG_LEVEL"):
@@ -448,22 +484,21 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
             c1 = sum(by1.values()) - sampler.redis_calls - own - 1
             servers = server_pids(db_url, r_app)  # backends started during the run included
             cpu1 = _cpu_by_component(cluster, servers)
-            time.sleep(1.2)  # PostgreSQL publishes backend statistics at most once a second
-            x1 = _xacts(conn) - polls - 1
+            _wait_ready(ports)  # every /metrics up (they are, by now) before the scrape
+            execs: dict[str, float] = {}
+            per_worker: list[int] = []  # task executions of each worker process: the balance
+            for port in ports:
+                scraped = _scrape(port)
+                per_worker.append(int(sum(scraped.values())))
+                for k, v in scraped.items():
+                    execs[k] = execs.get(k, 0.0) + v
+            x1 = _xacts_after_workers(cluster, conn, db_url) - polls - 2
             # sends and lookups beyond one send per item (retries of any cause)
             sums = conn.execute(
                 "SELECT sum(attempts) - count(*), sum(lookups) FROM transactions"
             ).fetchone()
             assert sums is not None
             extra_sends, lookups = sums
-        _wait_ready(ports)  # every /metrics up (they are, by now) before the scrape
-        execs: dict[str, float] = {}
-        per_worker: list[int] = []  # task executions of each worker process: the balance
-        for port in ports:
-            scraped = _scrape(port)
-            per_worker.append(int(sum(scraped.values())))
-            for k, v in scraped.items():
-                execs[k] = execs.get(k, 0.0) + v
         ledger = cluster.ledger()
         peak_in_flight = httpx.get(f"{cluster.sim_url}/_sim/in_flight", timeout=10).json()["max"]
     return {
