@@ -207,12 +207,13 @@ def _xacts_after_workers(cluster: Any, conn: Any, db_url: str) -> int:
 
     PostgreSQL 15 publishes a backend's statistics at a transaction's end at most once a
     second, and an idle backend's only 10 s after its last statement: read at once (or a
-    second later, as before the twenty-fifth session), the counts missed up to 90 % of a
-    short run's statements. A backend publishes them when it exits: the workers stop (their
-    connections close), their backends are waited for, and ``conn``'s own statements are
-    flushed (``pg_stat_force_next_flush``, PostgreSQL 15 and later) before the count. It
-    includes that statement and the workers' few statements after the run (a sweeper pass,
-    the shutdown)."""
+    second later, as before the twenty-fifth session), the counts missed about half of
+    scenario 4's statements, and more than 90 % in a run of 1-item accounts. A backend
+    publishes them when it exits: the workers stop (their connections close), their backends
+    are waited for, and ``conn``'s own statements are flushed (``pg_stat_force_next_flush``,
+    PostgreSQL 15 and later) before the count. It includes that statement, and the workers'
+    few statements outside the run (of their boot, published only now; a sweeper pass after
+    the run; the shutdown)."""
     import psycopg
 
     for worker in cluster.workers():
