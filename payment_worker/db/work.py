@@ -117,8 +117,10 @@ upd AS (
               EXTRACT(EPOCH FROM now() - t.doubt_since)::float8 AS doubt_age
 ),
 started AS (
+    -- the account's condition bounds the read of batches whatever the statistics (on
+    -- statistics that say every batch is completed, the planner read all open batches)
     UPDATE batches b SET status = 'processing', updated_at = now()
-    WHERE b.id IN (SELECT batch_pk FROM upd) AND b.status = 'pending'
+    WHERE b.id IN (SELECT batch_pk FROM upd) AND b.account_id = :acct AND b.status = 'pending'
 )
 -- one row even when nothing was claimed, so the fence verdict needs no second query
 SELECT upd.*, k.request_fingerprint, f.fenced_ok, f.token, m.more_due
@@ -316,7 +318,8 @@ _COMPLETE = Statement.of(f"""
 WITH {FENCE_CTE}
 {_COMPLETE_SET}
 FROM ({_COMPLETABLE}) s
-WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
+WHERE b.id = s.batch_pk AND b.account_id = :acct AND b.status <> 'completed'
+      AND EXISTS (SELECT 1 FROM fence)
 RETURNING b.batch_id
 """)
 
@@ -327,7 +330,8 @@ WITH {FENCE_CTE},
 done AS (
     {_COMPLETE_SET}
     FROM ({_COMPLETABLE}) s
-    WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
+    WHERE b.id = s.batch_pk AND b.account_id = :acct AND b.status <> 'completed'
+      AND EXISTS (SELECT 1 FROM fence)
     RETURNING b.batch_id
 )
 SELECT ARRAY(SELECT batch_id FROM done) AS completed, ({_NEXT_DUE_AT}) AS due, now() AS now,
@@ -371,7 +375,8 @@ done AS (
         GROUP BY batch_pk
         HAVING bool_and(status IN ({_TERMINAL}))
     ) s
-    WHERE b.id = s.batch_pk AND b.status <> 'completed' AND EXISTS (SELECT 1 FROM fence)
+    WHERE b.id = s.batch_pk AND b.account_id = :acct AND b.status <> 'completed'
+      AND EXISTS (SELECT 1 FROM fence)
     RETURNING b.batch_id
 )
 SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok,
