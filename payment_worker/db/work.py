@@ -236,6 +236,9 @@ replay_done AS (
     FROM upd
     WHERE d.transaction_pk = upd.id AND d.resolved_at IS NULL AND d.replay_count > 0
       AND upd.status IN ('succeeded', 'failed')
+      -- the same rows, as an index condition computed once: on statistics that say no
+      -- dead letter is open (before an incident's replay), the planner read every open one
+      AND d.transaction_pk = ANY (ARRAY(SELECT id FROM upd))
 )"""
 
 _RECORD = Statement.of(f"""{_RECORD_CTES}
