@@ -151,9 +151,9 @@ def filled(rt: Runtime, request: pytest.FixtureRequest) -> sqlalchemy.Engine:
 
 
 def test_the_drains_statements_read_only_the_accounts_rows(filled: sqlalchemy.Engine) -> None:
-    """Every read of ``transactions`` and of ``batches`` (the claim marks a batch processing,
-    the last statement completes it) goes through an index bounded by the account, a batch
-    or a row."""
+    """Every read of ``transactions``, of ``batches`` (the claim marks a batch processing, the
+    last statement completes it) and of ``dead_letters`` (the record statements close a
+    replayed item's letter) goes through an index bounded by the account, a batch or a row."""
     with filled.connect() as conn:
         rows = _succeeded_rows(conn)
         fence = fence_params(ACCOUNT, 1)
