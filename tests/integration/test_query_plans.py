@@ -90,12 +90,15 @@ def _succeeded_rows(conn: sqlalchemy.Connection) -> str:
     )
 
 
-# what bounds a read of each table: an index condition on the account, a batch or a row (a
-# condition on status alone reads every open item, or batch, of every account)
+# what bounds a read of each table the drain's statements touch: an index condition on the
+# account, a batch or a row (a condition on status alone reads every open item, or batch, of
+# every account)
 _BOUNDS = {
     "transactions": ("account_id", "batch_pk", "(id ="),
     "batches": ("account_id", "batch_id", "(id ="),
     "dead_letters": ("transaction_pk",),
+    "idempotency_keys": ("transaction_pk", "(key ="),
+    "account_fences": ("account_id",),
 }
 
 
@@ -151,9 +154,10 @@ def filled(rt: Runtime, request: pytest.FixtureRequest) -> sqlalchemy.Engine:
 
 
 def test_the_drains_statements_read_only_the_accounts_rows(filled: sqlalchemy.Engine) -> None:
-    """Every read of ``transactions``, of ``batches`` (the claim marks a batch processing, the
-    last statement completes it) and of ``dead_letters`` (the record statements close a
-    replayed item's letter) goes through an index bounded by the account, a batch or a row."""
+    """Every read of every table the statements touch goes through an index bounded by the
+    account, a batch or a row: ``transactions``, ``batches`` (the claim marks a batch
+    processing, the last statement completes it), ``dead_letters`` (the record statements
+    close a replayed item's letter), ``idempotency_keys`` and ``account_fences``."""
     with filled.connect() as conn:
         rows = _succeeded_rows(conn)
         fence = fence_params(ACCOUNT, 1)
