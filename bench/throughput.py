@@ -493,6 +493,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 per_worker.append(int(sum(scraped.values())))
                 for k, v in scraped.items():
                     execs[k] = execs.get(k, 0.0) + v
+            # less the bench's own statements on conn: the polls, the x0 read, the flush
             x1 = _xacts_after_workers(cluster, conn, db_url) - polls - 2
             # sends and lookups beyond one send per item (retries of any cause)
             sums = conn.execute(

@@ -316,13 +316,17 @@ _COMPLETE_SET = """
 UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = now(),
     succeeded_count = s.succeeded, failed_count = s.failed, dead_count = s.dead
 """
+# the batches _COMPLETE_SET writes: those of the completable rows ``s``, fenced. The account's
+# condition bounds the read of batches whatever the statistics (on statistics that say every
+# batch is completed, the planner read all open batches)
+_COMPLETE_WHERE = """WHERE b.id = s.batch_pk AND b.account_id = :acct AND b.status <> 'completed'
+      AND EXISTS (SELECT 1 FROM fence)"""
 
 _COMPLETE = Statement.of(f"""
 WITH {FENCE_CTE}
 {_COMPLETE_SET}
 FROM ({_COMPLETABLE}) s
-WHERE b.id = s.batch_pk AND b.account_id = :acct AND b.status <> 'completed'
-      AND EXISTS (SELECT 1 FROM fence)
+{_COMPLETE_WHERE}
 RETURNING b.batch_id
 """)
 
@@ -333,8 +337,7 @@ WITH {FENCE_CTE},
 done AS (
     {_COMPLETE_SET}
     FROM ({_COMPLETABLE}) s
-    WHERE b.id = s.batch_pk AND b.account_id = :acct AND b.status <> 'completed'
-      AND EXISTS (SELECT 1 FROM fence)
+    {_COMPLETE_WHERE}
     RETURNING b.batch_id
 )
 SELECT ARRAY(SELECT batch_id FROM done) AS completed, ({_NEXT_DUE_AT}) AS due, now() AS now,
@@ -378,8 +381,7 @@ done AS (
         GROUP BY batch_pk
         HAVING bool_and(status IN ({_TERMINAL}))
     ) s
-    WHERE b.id = s.batch_pk AND b.account_id = :acct AND b.status <> 'completed'
-      AND EXISTS (SELECT 1 FROM fence)
+    {_COMPLETE_WHERE}
     RETURNING b.batch_id
 )
 SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok,
