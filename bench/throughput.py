@@ -280,16 +280,22 @@ class Sampler(threading.Thread):
                     pass
                 self.queued.append(int(self.broker.llen(PAYMENTS_QUEUE)))
                 self.redis_calls += 1
-                rows = conn.execute(
-                    "SELECT application_name, count(*) FROM pg_stat_activity "
-                    "WHERE application_name LIKE %s OR application_name LIKE %s GROUP BY 1",
-                    (APP_NAME + "%", APP_PREFIX + "%"),
-                ).fetchall()
-                for worker, n in _conns_by_worker(rows, self.cluster.workers()).items():
-                    self.pg_peak[worker] = max(self.pg_peak.get(worker, 0), n)
-                for w in self.cluster.workers():
-                    self.rss_peak[w.pid] = max(self.rss_peak.get(w.pid, 0), _rss_kb(w.pid))
-                    self.threads_peak[w.pid] = max(self.threads_peak.get(w.pid, 0), _threads(w.pid))
+                self._peaks(conn)
+            # once more at the end: a run shorter than the interval (--quick) is sampled too
+            self._peaks(conn)
+
+    def _peaks(self, conn: Any) -> None:
+        """Postgres connections, RSS and threads of each worker, their peaks so far."""
+        rows = conn.execute(
+            "SELECT application_name, count(*) FROM pg_stat_activity "
+            "WHERE application_name LIKE %s OR application_name LIKE %s GROUP BY 1",
+            (APP_NAME + "%", APP_PREFIX + "%"),
+        ).fetchall()
+        for worker, n in _conns_by_worker(rows, self.cluster.workers()).items():
+            self.pg_peak[worker] = max(self.pg_peak.get(worker, 0), n)
+        for w in self.cluster.workers():
+            self.rss_peak[w.pid] = max(self.rss_peak.get(w.pid, 0), _rss_kb(w.pid))
+            self.threads_peak[w.pid] = max(self.threads_peak.get(w.pid, 0), _threads(w.pid))
 
     def stop(self) -> None:
         self.stop_event.set()
