@@ -21,10 +21,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, TextClause, text
+from sqlalchemy import Connection, Engine, TextClause, text
+from sqlalchemy.exc import DBAPIError
 
 from payment_worker.db.driver import fetch
+from payment_worker.db.retry import transient_reason
 from payment_worker.errors import FencedOut
+from payment_worker.ops.logging import get_logger
+from payment_worker.ops.metrics import DB_RETRIES
 
 if TYPE_CHECKING:
     from payment_worker.db.driver import AnyConnection, Statement
@@ -61,6 +65,8 @@ a write of an older holder that comes after it finds no row in :data:`FENCE_CTE`
 using it reads the token with ``(SELECT fence_token FROM fence)``, and must make its other
 row locks wait for the CTE (``WHERE EXISTS (SELECT 1 FROM fence)``, a one-time filter): the
 fence row first, as an older holder's fenced writes take it, so the two cannot deadlock."""
+
+log = get_logger("locks")
 
 _NEXT_SQL = text(
     "INSERT INTO account_fences AS a (account_id, fence_token, updated_at)"
@@ -105,3 +111,27 @@ def next_fence_token(conn: Connection, account_id: str) -> int:
     """
     token = conn.execute(_NEXT_SQL, {"account_id": account_id}).scalar_one()
     return int(token)
+
+
+def issue_fence_token(engine: Engine, account_id: str) -> int:
+    """The account's next fencing token; a stale pooled connection is retried once.
+
+    ``engine`` is best an autocommit view of a pool without pre-ping (``db.engine.autocommit``):
+    the upsert is then one round trip. A retry may burn a number (the first upsert may have
+    committed before the connection died); tokens only need to grow, so a gap is harmless.
+    """
+    for attempt in (1, 2):
+        try:
+            # begin(): a commit on any engine, and no BEGIN/COMMIT round trip on an
+            # autocommit one
+            with engine.begin() as conn:
+                return next_fence_token(conn, account_id)
+        except DBAPIError as exc:
+            if attempt == 2 or not exc.connection_invalidated:
+                raise
+            # counted as the drain's retries are: the pool replaces its other dead connections
+            # after this one, so a restart met here first would otherwise leave no trace
+            reason = transient_reason(exc) or "disconnect"
+            DB_RETRIES.labels(reason).inc()
+            log.warning("db_retry", account_id=account_id, op="fence", reason=reason, attempt=1)
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -39,8 +39,7 @@ import sqlalchemy
 from redis.exceptions import RedisError
 
 from payment_worker import lua
-from payment_worker.db.fences import next_fence_token
-from payment_worker.db.retry import transient_reason
+from payment_worker.db.fences import issue_fence_token
 from payment_worker.errors import LockLost, LockNotAcquired
 from payment_worker.locks.arrival import Arrival, EndRider, Rider
 from payment_worker.locks.liveness import (
@@ -55,7 +54,6 @@ from payment_worker.locks.watchdog import Lease, Renewer, StallRule, renewal_cli
 from payment_worker.locks.watchdog import clock as _clock
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
-    DB_RETRIES,
     LOCK_ACQUIRE_SECONDS,
     LOCK_CONTENTION,
     LOCK_LOST,
@@ -88,30 +86,6 @@ def _keys(key_prefix: str | None) -> RedisKeys:
 def lock_is_held(redis: redis.Redis, account_id: str, key_prefix: str | None = None) -> bool:
     """Whether anyone holds the account's lock right now (for the sweeper)."""
     return bool(redis.exists(lock_key(account_id, key_prefix)))
-
-
-def _fence(engine: sqlalchemy.Engine, account_id: str) -> int:
-    """The account's next fencing token; a stale pooled connection is retried once.
-
-    ``engine`` is best an autocommit view of a pool without pre-ping (``db.engine.autocommit``):
-    the upsert is then one round trip. A retry may burn a number (the first upsert may have
-    committed before the connection died); tokens only need to grow, so a gap is harmless.
-    """
-    for attempt in (1, 2):
-        try:
-            # begin(): a commit on any engine, and no BEGIN/COMMIT round trip on an
-            # autocommit one
-            with engine.begin() as conn:
-                return next_fence_token(conn, account_id)
-        except sqlalchemy.exc.DBAPIError as exc:
-            if attempt == 2 or not exc.connection_invalidated:
-                raise
-            # counted as the drain's retries are: the pool replaces its other dead connections
-            # after this one, so a restart met here first would otherwise leave no trace
-            reason = transient_reason(exc) or "disconnect"
-            DB_RETRIES.labels(reason).inc()
-            log.warning("db_retry", account_id=account_id, op="fence", reason=reason, attempt=1)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _text(value: Any) -> str:
@@ -254,7 +228,7 @@ class AccountLock:
         issued: int | None = None
         if fence:
             try:
-                issued = _fence(self._engine, self.account_id)
+                issued = issue_fence_token(self._engine, self.account_id)
             except BaseException:
                 LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
                 self.release()

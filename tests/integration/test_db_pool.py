@@ -78,8 +78,8 @@ def test_each_store_call_and_the_fence_cost_one_round_trip(pw_env: PwEnv, tmp_pa
     from sqlalchemy import event
 
     from payment_worker.db.engine import autocommit, make_engine
+    from payment_worker.db.fences import issue_fence_token
     from payment_worker.db.work import PgWorkStore
-    from payment_worker.locks.account_lock import _fence
 
     url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
     engine = make_engine(url, pool_size=1)
@@ -91,10 +91,10 @@ def test_each_store_call_and_the_fence_cost_one_round_trip(pw_env: PwEnv, tmp_pa
             dbapi_conn.pgconn.trace(trace_file.fileno())
 
         store = PgWorkStore(autocommit(engine))
-        token = _fence(autocommit(engine), "acct-rt")  # warms the one connection up
+        token = issue_fence_token(autocommit(engine), "acct-rt")  # warms the one connection up
         trace_file.flush()
         start = trace_path.stat().st_size
-        token = _fence(autocommit(engine), "acct-rt")
+        token = issue_fence_token(autocommit(engine), "acct-rt")
         assert store.claim_due("acct-rt", token, 5) == []
         assert store.complete_and_next_due("acct-rt", token) == ([], None)
         assert store.complete_batches("acct-rt", token) == []
