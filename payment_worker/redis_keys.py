@@ -54,6 +54,11 @@ Each entry: key (type, TTL): what it holds; who writes it.
     This interval's pass is taken; value: the pid that took it. The sweeper threads of the
     worker processes (and beat's fallback task): ``SET NX``, so the fleet sweeps about once
     per interval however many processes tick.
+``{prefix}:sweeper:waited`` (string, ``SWEEPER_STALE_AFTER``)
+    When the oldest message waiting in the ``payments`` queue at the last pass that found
+    one was published (ms since the epoch, the ``pw_enqueued_ms`` header). The sweeper, each
+    pass that finds a message waiting; it expires after the stale period: a message taken
+    by a worker since that pass is on its way until then, even once the queue is empty.
 ``{prefix}:submit:{batch_id}`` (string, ``DEDUP_WINDOW_SECONDS``)
     The producer's dedup window; value: the batch's content fingerprint. The producer.
 ``{prefix}:submissions`` (hash, no TTL)
@@ -143,6 +148,11 @@ class RedisKeys:
     def sweeper_tick(self) -> str:
         """Taken by the process that runs this interval's sweep (no hash tag: not per account)."""
         return f"{self.sweeper_lock()}:tick"
+
+    def sweeper_waited(self) -> str:
+        """When the oldest message waiting at the sweeper's last pass that found one was
+        published (no hash tag: not per account)."""
+        return f"{self.sweeper_lock()}:waited"
 
     # --- the producer (payment_worker.producer.submit) ------------------------------------
     def submit_dedup(self, batch_id: str) -> str:

@@ -31,6 +31,7 @@ def test_every_key_format_is_pinned() -> None:
     assert k.alive("host-7-ab12") == "pw:alive:{host-7-ab12}"
     assert k.sweeper_lock() == "pw:sweeper"
     assert k.sweeper_tick() == "pw:sweeper:tick"
+    assert k.sweeper_waited() == "pw:sweeper:waited"
     assert k.submit_dedup("b-1") == "pw:submit:b-1"
     assert k.submissions() == "pw:submissions"
 
