@@ -4,9 +4,11 @@ Finds accounts with due open items and **no live holder**: the lock's holder pro
 lost its liveness key (:mod:`payment_worker.locks.liveness`; the sweeper takes the lock
 away at once, owner-checked), or the lock is free and the items saw no write for
 ``SWEEPER_STALE_AFTER`` seconds (2 s: a fresh submission's message is on its way meanwhile).
-A free account whose last message is still waiting in the broker behind a backlog is left to
-that message (the ``queued`` mark against the oldest waiting message's publish time:
-:func:`_messages_on_their_way`), and behind a backlog the stale period is that much longer.
+A free account whose last message is still waiting in the broker behind a backlog, or was
+waiting at a pass less than ``SWEEPER_STALE_AFTER`` ago (taken by a worker whose task has not
+taken the lock yet), is left to that message (the ``queued`` mark against the oldest waiting
+message's publish time: :func:`_messages_on_their_way`, :func:`_waited_lately`), and behind a
+backlog the stale period is that much longer.
 Locks are read only for those stale accounts, unless a registered holder process is dead
 (``liveness.dead_holders``): then for every account with due work. It enqueues one of
 their batches. The horizon is therefore liveness: a killed or paused holder's accounts, a
