@@ -5,10 +5,10 @@ lost its liveness key (:mod:`payment_worker.locks.liveness`; the sweeper takes t
 away at once, owner-checked), or the lock is free and the items saw no write for
 ``SWEEPER_STALE_AFTER`` seconds (2 s: a fresh submission's message is on its way meanwhile).
 A free account whose last message is still waiting in the broker behind a backlog, or was
-waiting at a pass less than ``SWEEPER_STALE_AFTER`` ago (taken by a worker whose task has not
-taken the lock yet), is left to that message (the ``queued`` mark against the oldest waiting
-message's publish time: :func:`_messages_on_their_way`, :func:`_waited_lately`), and behind a
-backlog the stale period is that much longer.
+waiting at the last pass that found one, less than ``SWEEPER_STALE_AFTER`` ago (taken by a
+worker whose task has not taken the lock yet), is left to that message (the ``queued`` mark
+against the oldest waiting message's publish time: :func:`_messages_on_their_way`,
+:func:`_waited_lately`), and behind a backlog the stale period is that much longer.
 Locks are read only for those stale accounts, unless a registered holder process is dead
 (``liveness.dead_holders``): then for every account with due work. It enqueues one of
 their batches. The horizon is therefore liveness: a killed or paused holder's accounts, a
@@ -326,16 +326,18 @@ def _backlog_ms(res: Runtime) -> int:
 
 
 def _waited_lately(res: Runtime, oldest: int | None) -> int | None:
-    """The publish time of the oldest message waiting now or at a pass less than
-    ``SWEEPER_STALE_AFTER`` ago (the ``sweeper:waited`` key, set here while one waits).
+    """The publish time of the oldest message waiting now or at the last pass that found
+    one, if that pass was less than ``SWEEPER_STALE_AFTER`` ago (the ``sweeper:waited`` key,
+    set here while one waits: the last such pass's, not the oldest over the period, which a
+    lasting backlog would keep from ever moving on).
 
     A message leaves the queue when a worker takes it, not when its task takes the lock:
     in a burst (hundreds of messages taken at once by threads that share the cores) that
     takes up to a second. Judged by the queue alone, the accounts of a burst just taken
     looked free, stale and unqueued the moment the queue emptied, and got a repair message
     each (26 to 57 wasted executions in a run of throughput scenario 4). A message the last
-    passes saw waiting now counts as on its way for the stale period; a message lost since
-    (a broker flush) is repaired that much later, at most."""
+    such pass saw waiting now counts as on its way for the stale period after it; a message
+    lost since (a broker flush) is repaired that much later, at most."""
     key = res.keys.sweeper_waited()
     try:
         pipe = res.redis.pipeline(transaction=False)

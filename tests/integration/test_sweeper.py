@@ -616,8 +616,8 @@ def test_a_burst_taken_by_workers_is_not_repaired_before_its_tasks_take_the_lock
     account's lock up to a second later while a burst shares the cores. Judged by the queue
     alone, the moment a burst was taken every account of it looked free, stale and unqueued:
     a repair message each (26 to 57 wasted executions in a run of throughput scenario 4).
-    What a pass saw waiting counts as on its way for SWEEPER_STALE_AFTER; a message lost
-    after all is repaired then."""
+    What the last pass that found messages waiting saw counts as on its way for
+    SWEEPER_STALE_AFTER after it; a message lost after all is repaired then."""
     from payment_worker.worker.celery_app import app
     from payment_worker.worker.queueing import ENQUEUED_HEADER, PROCESS_TASK, RedisAccountQueue
 
@@ -658,3 +658,30 @@ def test_a_burst_taken_by_workers_is_not_repaired_before_its_tasks_take_the_lock
         assert sorted(broker_messages(pw_env)) == ["b-acct-2", "b-acct-3"]
     finally:
         holder.release()
+
+
+def test_the_memory_of_waited_messages_keeps_the_oldest_for_the_stale_period(
+    srt: runtime.Runtime,
+) -> None:
+    """``_waited_lately``: the older of the queue's oldest and what the last pass that found
+    one saw, for SWEEPER_STALE_AFTER after it; a value it cannot read, or a Redis it cannot
+    reach, leaves the queue's own oldest (the rule before it: at worst one repair message too
+    many)."""
+    from types import SimpleNamespace
+
+    from payment_worker.worker.sweeper import _waited_lately
+
+    key = srt.keys.sweeper_waited()
+    srt.redis.delete(key)
+    assert _waited_lately(srt, None) is None  # nothing waits, nothing was seen
+    assert _waited_lately(srt, 5_000) == 5_000  # kept, for the stale period only
+    assert 0 < srt.redis.pttl(key) <= STALE * 1000
+    assert _waited_lately(srt, 9_000) == 5_000  # the queue moved on: the older one counts
+    assert _waited_lately(srt, None) == 9_000  # the queue is empty: what the last pass saw
+    srt.redis.set(key, "not-a-time")
+    assert _waited_lately(srt, 7_000) == 7_000
+    # a Redis that cannot be reached (nothing listens on port 1)
+    dead = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
+    unreachable = SimpleNamespace(redis=dead, keys=srt.keys, settings=srt.settings)
+    assert _waited_lately(unreachable, 3_000) == 3_000  # type: ignore[arg-type]
+    assert _waited_lately(unreachable, None) is None  # type: ignore[arg-type]
