@@ -565,9 +565,14 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _rate_of_1(rows: list[dict[str, Any]]) -> float | None:
+    """Scenario 1's items/s in this invocation, if it ran."""
+    return next((r["items_per_s"] for r in rows if r["num"] == 1), None)
+
+
 def _bounds(rows: list[dict[str, Any]]) -> None:
     """min(accounts / latency, scenario 1's rate in the same run) for the latency scenarios."""
-    s1 = next((r["items_per_s"] for r in rows if r["num"] == 1), None)
+    s1 = _rate_of_1(rows)
     for r in rows:
         if not r["latency_ms"]:
             r["bound"] = None
@@ -584,30 +589,29 @@ def verdicts(rows: list[dict[str, Any]], rate: float, pool_size: int | None) -> 
     of (1) (the simulator would answer 429 first). It is printed beside the target, and
     the target stays as the issue wrote it.
     """
-    by = {r["num"]: r for r in rows}
-    s1 = by[1]["items_per_s"] if 1 in by else None
+    s1 = _rate_of_1(rows)
     out: list[str] = []
 
     def line(num: int, met: bool | None, text: str) -> None:
         word = "-" if met is None else ("met" if met else "NOT met")
         out.append(f"- ({num}) {text}: {word}")
 
-    for num, r in sorted(by.items()):
-        rps = r["items_per_s"]
+    for r in sorted(rows, key=lambda r: r["num"]):
+        num, rps = r["num"], r["items_per_s"]
         if num == 1:
             line(1, rps >= 1500, f"{_fmt_int(rps)} items/s, target ≥ 1,500")
         elif num == 3:
             cap = r["accounts"] * rate
             if s1 is None:
                 line(3, None, f"{_fmt_int(rps)} items/s; (1) not run, no target to compare")
-                continue
-            line(
-                3,
-                rps >= 0.8 * s1,
-                f"{_fmt_int(rps)} items/s = {100 * rps / s1:.0f} % of (1), target ≥ 80 %"
-                f" (its quota's ceiling: {r['accounts']} accounts x {rate:g}/s ="
-                f" {_fmt_int(cap)} items/s, {100 * cap / s1:.0f} % of (1))",
-            )
+            else:
+                line(
+                    3,
+                    rps >= 0.8 * s1,
+                    f"{_fmt_int(rps)} items/s = {100 * rps / s1:.0f} % of (1), target ≥ 80 %"
+                    f" (its quota's ceiling: {r['accounts']} accounts x {rate:g}/s ="
+                    f" {_fmt_int(cap)} items/s, {100 * cap / s1:.0f} % of (1))",
+                )
         elif num == 4 and r["bound"]:
             pct = 100 * rps / r["bound"]
             line(4, pct >= 80, f"{pct:.0f} % of its bound {_fmt_int(r['bound'])}, target ≥ 80 %")

@@ -311,8 +311,8 @@ def _sweep(res: Runtime) -> dict[str, Any]:
 
 def _backlog_ms(res: Runtime) -> int:
     """How long the oldest message still waiting in the payments queue has waited (ms), or
-    the oldest one a pass found waiting within the stale period, whichever is older; 0
-    without a Redis broker to read, or when it cannot be read."""
+    the oldest one the last pass that found one saw (:func:`_waited_lately`), whichever is
+    older; 0 without a Redis broker to read, or when it cannot be read."""
     broker = res.broker_redis
     if broker is None:
         return 0
