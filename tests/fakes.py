@@ -96,6 +96,7 @@ class FakeStore:
         self.opened = 0
         self.finishes = 0  # complete_and_next_due calls (one statement each)
         self.claims = 0  # claim_due calls (one statement each)
+        self.boundaries = 0  # record_and_claim calls (one statement each)
         self._ids = itertools.count(1)
 
     def add(self, account_id: str, batch_pk: int, n: int, **kw: Any) -> list[Row]:
@@ -133,6 +134,9 @@ class FakeStore:
 
     def claim_due(self, account_id: str, token: int, limit: int) -> Claim:
         self.claims += 1
+        return self._claim(account_id, token, limit, frozenset())
+
+    def _claim(self, account_id: str, token: int, limit: int, skip: frozenset[int]) -> Claim:
         self._fence(account_id, token)
         due = sorted(
             (
@@ -141,6 +145,7 @@ class FakeStore:
                 if r.account_id == account_id
                 and r.status in OPEN_TX_STATUSES
                 and r.due_at <= self.clock()
+                and r.id not in skip
             ),
             key=lambda r: (r.batch_pk, r.id),
         )
@@ -221,6 +226,23 @@ class FakeStore:
         self._fence(account_id, token)
         changed = self.record_outcomes(account_id, token, outcomes)
         return (changed, *self.complete_and_next_due(account_id, token))
+
+    def record_and_claim(
+        self,
+        account_id: str,
+        token: int,
+        outcomes: Sequence[ItemOutcome],
+        ended: Sequence[int],
+        limit: int,
+    ) -> tuple[int, list[str], Claim]:
+        self._fence(account_id, token)
+        self.boundaries += 1
+        changed = self.record_outcomes(account_id, token, outcomes)
+        done = self.complete_batches(account_id, token, ended)
+        # like the SQL, whose snapshot still reads the recorded rows as claimed: none of
+        # them is claimed again by this statement
+        recorded = frozenset(o.item_id for o in outcomes)
+        return changed, done, self._claim(account_id, token, limit, recorded)
 
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         self.finishes += 1

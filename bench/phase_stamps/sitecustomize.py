@@ -76,7 +76,7 @@ def _install() -> None:
     patches: dict[str, Callable[[ModuleType], None]] = {
         "payment_worker.worker.drain": drain,
         "payment_worker.locks.account_lock": lock,
-        "payment_worker.db.work": work,
+        "payment_worker.db.work_store": work,
         "payment_worker.gateway.client": client,
     }
 

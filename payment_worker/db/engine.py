@@ -5,7 +5,7 @@ Built by :class:`~payment_worker.runtime.Runtime`, once per process; never cache
 One pool of ``DB_POOL_SIZE`` connections and no overflow, so a worker process never holds
 more Postgres connections than that, whatever its concurrency. Nobody keeps a connection
 across a gateway call: the drain's store checks one out per statement
-(:class:`~payment_worker.db.work.PgWorkStore`), and so does the fencing upsert of each lock
+(:class:`~payment_worker.db.work_store.PgWorkStore`), and so does the fencing upsert of each lock
 acquisition, through the engine's autocommit view (:func:`autocommit`: the same pool).
 
 Every connection starts with the service's :class:`ConnectionLimits`: a

@@ -11,15 +11,14 @@ the write to commit, so the order is strict.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, text
 
-from payment_worker.db.driver import AnyConnection, Statement, checked_out, fetch
+from payment_worker.db.driver import AnyConnection, Statement, fetch
 from payment_worker.db.fences import FENCE_CTE, NEXT_FENCE_CTE, execute_fenced, fence_params
 from payment_worker.db.models import OPEN_TX_PREDICATE, sql_values
 from payment_worker.domain.statuses import (
@@ -81,25 +80,28 @@ _IN_DOUBT = sql_values(IN_DOUBT_TX_STATUSES)
 _SENDABLE = sql_values(SENDABLE_TX_STATUSES)
 _TERMINAL = sql_values(TERMINAL_TX_STATUSES)
 
+
 # Claim up to :n due items of the account in one statement: pending/retryable become
 # dispatching (intent recorded before the gateway call, attempts + 1); dispatching left by a
 # crashed holder becomes unknown (maybe sent: only a lookup may decide); unknown stays. The
 # fence (first) is the holder's current token, or the next one issued by this statement.
-_CLAIM_AFTER_FENCE = f"""
+def _claim_ctes(skip: str = "") -> str:
+    """The claim's CTEs after the fence; ``skip``: more conditions on the due rows."""
+    return f"""
 due AS (
     SELECT t.id, t.batch_pk, t.status AS prev FROM transactions t
     -- a one-time filter: the fence row is locked before any transaction row
     WHERE EXISTS (SELECT 1 FROM fence)
       AND t.account_id = :acct
       AND t.{OPEN_TX_PREDICATE}
-      AND t.next_attempt_at <= now()
+      AND t.next_attempt_at <= now(){skip}
     ORDER BY t.batch_pk, t.id
     -- one row past the limit only tells whether more is due: it is not claimed
     LIMIT :n + 1
     FOR UPDATE OF t SKIP LOCKED
 ),
 pick AS (SELECT id, prev FROM due ORDER BY batch_pk, id LIMIT :n),
-upd AS (
+claimed AS (
     UPDATE transactions t SET
         status = CASE WHEN pick.prev IN ({_SENDABLE})
                       THEN 'dispatching' ELSE 'unknown' END,
@@ -120,20 +122,27 @@ started AS (
     -- the account's condition bounds the read of batches whatever the statistics (on
     -- statistics that say every batch is completed, the planner read all open batches)
     UPDATE batches b SET status = 'processing', updated_at = now()
-    WHERE b.id IN (SELECT batch_pk FROM upd) AND b.account_id = :acct AND b.status = 'pending'
-)
--- one row even when nothing was claimed, so the fence verdict needs no second query
-SELECT upd.*, k.request_fingerprint, f.fenced_ok, f.token, m.more_due
+    WHERE b.id IN (SELECT batch_pk FROM claimed) AND b.account_id = :acct AND b.status = 'pending'
+)"""
+
+
+# the claim's answer: its rows (one even when nothing was claimed, so the fence verdict
+# needs no second query); ``{extra}``: more columns, for a statement that does more
+_CLAIM_SELECT = """
+SELECT claimed.*, k.request_fingerprint, f.fenced_ok, f.token, m.more_due{extra}
 FROM (SELECT count(*) AS fenced_ok, max(fence_token) AS token FROM fence) f
 CROSS JOIN (SELECT count(*) > :n AS more_due FROM due) m
-LEFT JOIN upd ON true
-LEFT JOIN idempotency_keys k ON k.transaction_pk = upd.id
-ORDER BY upd.batch_pk, upd.id
+LEFT JOIN claimed ON true
+LEFT JOIN idempotency_keys k ON k.transaction_pk = claimed.id
+ORDER BY claimed.batch_pk, claimed.id
 """
-_CLAIM = Statement.of(f"WITH {FENCE_CTE},{_CLAIM_AFTER_FENCE}")
+
+_CLAIM = Statement.of(f"WITH {FENCE_CTE},{_claim_ctes()}\n{_CLAIM_SELECT.format(extra='')}")
 # the holder's first claim: the fencing token is issued by the claim itself, one round trip
 # and one transaction fewer per account than an upsert of its own
-_FENCE_AND_CLAIM = Statement.of(f"WITH {NEXT_FENCE_CTE},{_CLAIM_AFTER_FENCE}")
+_FENCE_AND_CLAIM = Statement.of(
+    f"WITH {NEXT_FENCE_CTE},{_claim_ctes()}\n{_CLAIM_SELECT.format(extra='')}"
+)
 
 
 def claim_due(conn: AnyConnection, account_id: str, token: int, limit: int) -> Claim:
@@ -405,6 +414,53 @@ def record_and_finish(
     return int(row["updated"]), [str(b) for b in row["completed"]], wait
 
 
+# A chunk boundary in one statement: the chunk's outcomes, the batches that ended in it
+# (:pks) completed, and the next chunk claimed. Every CTE reads the snapshot taken before the
+# statement, where the rows being recorded still read as claimed: the claim skips them (an
+# item due again at once is taken by the claim after), and the completion counts them as
+# ``upd`` returns them and the rest of those batches as they are.
+_RECORDED_AND_DONE = (
+    ", (SELECT count(*) FROM upd) AS updated, ARRAY(SELECT batch_id FROM done) AS completed"
+)
+_RECORD_AND_CLAIM = Statement.of(f"""{_RECORD_CTES},
+ended AS (
+    SELECT batch_pk, status FROM upd WHERE batch_pk = ANY (CAST(:pks AS bigint[]))
+    UNION ALL
+    SELECT t.batch_pk, t.status FROM transactions t
+    WHERE t.batch_pk = ANY (CAST(:pks AS bigint[])) AND t.account_id = :acct
+      AND t.id NOT IN (SELECT id FROM upd)
+),
+done AS (
+    {_COMPLETE_SET}
+    FROM ({_BATCH_COUNTS}
+        FROM ended GROUP BY batch_pk HAVING bool_and(status IN ({_TERMINAL}))
+    ) s
+    {_COMPLETE_WHERE}
+    RETURNING b.batch_id
+),{_claim_ctes(skip=" AND t.id NOT IN (SELECT id FROM v)")}
+{_CLAIM_SELECT.format(extra=_RECORDED_AND_DONE)}""")
+
+
+def record_and_claim(
+    conn: AnyConnection,
+    account_id: str,
+    token: int,
+    outcomes: Sequence[ItemOutcome],
+    ended: Sequence[int],
+    limit: int,
+) -> tuple[int, list[str], Claim]:
+    """A chunk boundary in one fenced statement: :func:`record_outcomes` (rows changed),
+    :func:`complete_batches` of ``ended`` (the batches that ended in the chunk: their ids
+    when complete), and :func:`claim_due` of up to ``limit`` items for the next chunk, never
+    one of the rows just recorded. A stale ``token`` raises FencedOut and writes nothing."""
+    params = {"rows": json.dumps([_outcome_row(o) for o in outcomes]), "pks": list(ended)}
+    rows = execute_fenced(
+        conn, _RECORD_AND_CLAIM, {**params, "n": limit}, account_id=account_id, token=token
+    )
+    first = rows[0]
+    return int(first["updated"]), [str(b) for b in first["completed"]], _claim_of(rows, token)
+
+
 def complete_and_next_due(
     conn: AnyConnection, account_id: str, token: int
 ) -> tuple[list[str], float | None]:
@@ -432,57 +488,3 @@ def open_counts(conn: Connection) -> dict[str, int]:
     """Number of transactions per status (all statuses, for tests and tools)."""
     rows = conn.execute(text("SELECT status, count(*) FROM transactions GROUP BY status")).all()
     return {str(r[0]): int(r[1]) for r in rows}
-
-
-class PgWorkStore:
-    """The drain loop's :class:`~payment_worker.worker.ports.WorkStore`: each call checks a
-    connection out of the pool, runs its one statement in autocommit (its own short
-    transaction) and gives the connection back, so no connection is held across a gateway
-    call and a holder waiting on the gateway costs the pool nothing. A call that fails on a
-    dead connection leaves the next one a fresh connection (the pool drops the dead one).
-    The statements run on the pooled psycopg connection (:mod:`payment_worker.db.driver`:
-    a third to a half less client CPU a statement than through SQLAlchemy's execution
-    layer)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    @classmethod
-    @contextmanager
-    def open(cls, engine: Engine) -> Iterator[PgWorkStore]:
-        """A store on ``engine``'s pool for one drain (nothing to give back at the end)."""
-        yield cls(engine)
-
-    def claim_due(self, account_id: str, token: int, limit: int) -> Claim:
-        """See :func:`claim_due`."""
-        with checked_out(self._engine) as conn:
-            return claim_due(conn, account_id, token, limit)
-
-    def fence_and_claim(self, account_id: str, limit: int) -> Claim:
-        """See :func:`fence_and_claim`."""
-        with checked_out(self._engine) as conn:
-            return fence_and_claim(conn, account_id, limit)
-
-    def record_outcomes(self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]) -> int:
-        """See :func:`record_outcomes`."""
-        with checked_out(self._engine) as conn:
-            return record_outcomes(conn, account_id, token, outcomes)
-
-    def record_and_finish(
-        self, account_id: str, token: int, outcomes: Sequence[ItemOutcome]
-    ) -> tuple[int, list[str], float | None]:
-        """See :func:`record_and_finish`."""
-        with checked_out(self._engine) as conn:
-            return record_and_finish(conn, account_id, token, outcomes)
-
-    def complete_batches(
-        self, account_id: str, token: int, batch_pks: Sequence[int] | None = None
-    ) -> list[str]:
-        """See :func:`complete_batches`."""
-        with checked_out(self._engine) as conn:
-            return complete_batches(conn, account_id, token, batch_pks)
-
-    def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
-        """See :func:`complete_and_next_due`."""
-        with checked_out(self._engine) as conn:
-            return complete_and_next_due(conn, account_id, token)

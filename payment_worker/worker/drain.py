@@ -19,26 +19,17 @@ to a process's :class:`~payment_worker.runtime.Runtime`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
-from payment_worker.db.work import ClaimedItem, PgWorkStore, account_of_batch
-from payment_worker.domain.payment_request import PaymentRequest
-from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, DeadReason, TxStatus
-from payment_worker.domain.transitions import (
-    Decision,
-    ItemOutcome,
-    Policy,
-    after_conflict,
-    after_lookup,
-    after_send,
-    handed_back,
-)
+from payment_worker.db.work import Claim, ClaimedItem, account_of_batch
+from payment_worker.db.work_store import PgWorkStore
+from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, TxStatus
+from payment_worker.domain.transitions import ItemOutcome, Policy, handed_back
 from payment_worker.errors import DatabaseUnavailable, FencedOut, LockLost
-from payment_worker.gateway.outcomes import Outcome
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     BATCH_SECONDS,
@@ -46,12 +37,12 @@ from payment_worker.ops.metrics import (
     FENCING_REJECTIONS,
     HANDED_BACK,
     IN_PROGRESS,
-    LOOKUPS,
     TASK_EXECUTIONS,
     TRANSACTION_RETRIES,
     TRANSACTIONS_FINISHED,
 )
 from payment_worker.runtime import Runtime
+from payment_worker.worker.item_step import log_outcome, step_item
 from payment_worker.worker.ports import AccountQueue, Gateway, Guard, HeldLock, WorkStore
 from payment_worker.worker.queueing import RedisAccountQueue, clear_schedule, hand_off
 from payment_worker.worker.store_retry import DbRetry, RetryingStore
@@ -80,6 +71,16 @@ class DrainLimits:
     chunk_size: int  # PROCESS_CHUNK_SIZE: items claimed, and outcomes written, per statement
     max_seconds: float  # DRAIN_MAX_SECONDS: a slice, then the account goes back to the queue
     hold_wait_max_seconds: float  # HOLD_WAIT_MAX_SECONDS: wait under the lock at most this long
+
+
+@dataclass(slots=True)
+class _ChunkEnd:
+    """What the statement that recorded a chunk did besides."""
+
+    # record_and_finish: (batches completed, seconds until the next due item or None)
+    finished: tuple[list[str], float | None] | None = None
+    # record_and_claim: the next chunk
+    claim: Claim | None = None
 
 
 class Drainer:
@@ -185,28 +186,40 @@ class Drainer:
         deadline = self._clock() + limits.max_seconds
         with self._open_store() as opened:
             store = RetryingStore(opened, lock, self._db_retry, account_id)
+            # the next chunk, when the last boundary's statement claimed it
+            items: Claim | None = None
             try:
                 while True:
                     lock.ensure_held()
-                    if self._stopping():
-                        report.handed_off = report.shutdown = True
-                        return
-                    if token is None:
-                        items = store.fence_and_claim(account_id, limits.chunk_size)
-                        assert items.fence_token is not None
-                        token = items.fence_token
-                        lock.adopt_fence(token)
-                    else:
-                        items = store.claim_due(account_id, token, limits.chunk_size)
+                    if items is None:
+                        if self._stopping():
+                            report.handed_off = report.shutdown = True
+                            return
+                        if token is None:
+                            items = store.fence_and_claim(account_id, limits.chunk_size)
+                            assert items.fence_token is not None
+                            token = items.fence_token
+                            lock.adopt_fence(token)
+                        else:
+                            items = store.claim_due(account_id, token, limits.chunk_size)
+                    # (a chunk claimed at the boundary is not checked for a shutdown here:
+                    # its items are, one by one, and given back untouched)
+                    assert token is not None  # issued by the first claim
                     lock.progress()
                     if items.more_due:
-                        self._process_chunk(store, lock, token, items, report)
                         # more was due than one chunk. Items are claimed in batch order,
                         # so a batch followed by another in it has nothing more to claim
-                        done = {i.batch_pk for i in items}
-                        done.discard(items[-1].batch_pk)
-                        if done:
-                            store.complete_batches(account_id, token, sorted(done))
+                        ended = sorted({i.batch_pk for i in items} - {items[-1].batch_pk})
+                        # recorded with those batches completed and the next chunk claimed,
+                        # in one statement, unless the slice ends here
+                        chunk = self._process_chunk(
+                            store, lock, token, items, report, ended=ended, until=deadline
+                        )
+                        items = chunk.claim
+                        if items is not None:
+                            continue
+                        if ended:
+                            store.complete_batches(account_id, token, ended)
                         if self._clock() < deadline and not self._stopping():
                             continue
                         # run_account re-enqueues after releasing
@@ -217,10 +230,11 @@ class Drainer:
                     # outcomes, the account's finished batches and its next due time are one
                     # statement (or, for a chunk cut short or nothing claimed, the last two)
                     finished = (
-                        self._process_chunk(store, lock, token, items, report, finish=True)
+                        self._process_chunk(store, lock, token, items, report, finish=True).finished
                         if items
                         else None
                     )
+                    items = None
                     if finished is None:
                         finished = store.complete_and_next_due(account_id, token)
                     _, wait = finished
@@ -276,14 +290,18 @@ class Drainer:
         report: DrainReport,
         *,
         finish: bool = False,
-    ) -> tuple[list[str], float | None] | None:
-        """Process one claimed chunk and record what was learnt. With ``finish`` (the drain's
-        last chunk) a chunk that ran to its end is recorded with the account's completion
-        in one statement, and that statement's (batches completed, next due) is returned;
-        None when only the outcomes were written."""
+        ended: Sequence[int] = (),
+        until: float | None = None,
+    ) -> _ChunkEnd:
+        """Process one claimed chunk and record what was learnt, in one statement with what
+        comes next where it can be: with ``finish`` (the drain's last chunk), the account's
+        completion and next due time (:attr:`_ChunkEnd.finished`); with ``until`` (more is
+        due), the batches that ``ended`` in the chunk completed and the next chunk claimed
+        (:attr:`_ChunkEnd.claim`), unless the slice is over at ``until``, the worker is
+        stopping or the lock is gone. A chunk cut short is only recorded."""
         outcomes: list[ItemOutcome] = []
         given_back: list[ItemOutcome] = []
-        finished: tuple[list[str], float | None] | None = None
+        end = _ChunkEnd()
         ran_to_end = False
         guard = _progress_guard(lock)
         try:
@@ -299,8 +317,8 @@ class Drainer:
                     transaction_id=item.transaction_id, attempt=item.attempts, fence_token=token
                 )
                 try:
-                    outcome = self._process_item(guard, item)
-                    _log_outcome(outcome.decision)
+                    outcome = step_item(self._gateway, self._policy, guard, item)
+                    log_outcome(outcome.decision)
                 finally:
                     reset_contextvars(**bound)
                 outcomes.append(outcome)
@@ -312,11 +330,16 @@ class Drainer:
             # fenced, so it lands only if no newer holder exists; items left "dispatching" are
             # looked up by the next holder before any resend
             if outcomes or given_back:
+                account_id = report.account_id
                 if finish and ran_to_end:
-                    _, done, wait = store.record_and_finish(report.account_id, token, outcomes)
-                    finished = (done, wait)
+                    _, done, wait = store.record_and_finish(account_id, token, outcomes)
+                    end.finished = (done, wait)
+                elif ran_to_end and until is not None and self._may_go_on(lock, until):
+                    _, _, end.claim = store.record_and_claim(
+                        account_id, token, outcomes, ended, self._limits.chunk_size
+                    )
                 else:
-                    store.record_outcomes(report.account_id, token, outcomes + given_back)
+                    store.record_outcomes(account_id, token, outcomes + given_back)
                 lock.progress()
                 report.items += len(outcomes)
                 report.result = "processed"
@@ -328,100 +351,19 @@ class Drainer:
                             DEAD_LETTERS.labels(d.dead_reason).inc()
                     else:
                         TRANSACTION_RETRIES.labels(d.status).inc()
-        return finished
+        return end
 
-    def _process_item(self, guard: Guard, item: ClaimedItem) -> ItemOutcome:
-        request = PaymentRequest(
-            account_id=item.account_id,
-            transaction_id=item.transaction_id,
-            amount=item.amount,
-            currency=item.currency,
-            beneficiary=item.beneficiary,
-            description=item.description,
-        )
-        attempts, lookups = item.attempts, item.lookups
-        fingerprint = item.request_fingerprint
-        if fingerprint is not None and request.fingerprint() != fingerprint:
-            # the row no longer matches what was accepted: never send another body under the key
-            d = Decision(
-                TxStatus.DEAD,
-                error_class="fingerprint_mismatch",
-                error="request body differs from the accepted one",
-                dead_reason=DeadReason.FINGERPRINT_MISMATCH,
-            )
-            return ItemOutcome(item.id, attempts, lookups, d)
-        policy = self._policy
-        cleared = False  # a lookup of this step proved the earlier sends never applied
-        # the guard (ensure_held(), then progress) runs inside the client right before each
-        # send, after any token or pacing wait; held: this holder is the account's only
-        # sender, so its pacing goes on past a lease without a round trip
-        if item.status is TxStatus.UNKNOWN:
-            found = self._gateway.lookup_payment(
-                item.account_id, item.idempotency_key, guard=guard, held=True
-            )
-            lookups += found.sent  # a lookup that never left uses up nothing
-            LOOKUPS.labels(found.outcome.value).inc()
-            log.info(
-                "in_doubt_lookup",
-                outcome=found.outcome.value,
-                sent=found.sent,
-                doubt_age=item.doubt_age,
-                lookups=lookups,
-            )
-            d = after_lookup(
-                found,
-                attempts=attempts,
-                lookups=lookups,
-                doubt_age=item.doubt_age,
-                policy=policy,
-            )
-            if not d.send_now:
-                return ItemOutcome(item.id, attempts, lookups, d)
-            cleared = True
-            attempts += 1  # never applied: send again under the same key
-        result = self._gateway.create_payment(
-            item.account_id, request, item.idempotency_key, guard=guard, held=True
-        )
-        if not result.sent:
-            attempts -= 1  # counted at the claim (or above), but nothing left
-        if result.outcome is Outcome.CONFLICT:
-            # 422: the gateway holds an answer under this key; what it holds decides
-            found = self._gateway.lookup_payment(
-                item.account_id, item.idempotency_key, guard=guard, held=True
-            )
-            lookups += found.sent
-            LOOKUPS.labels(found.outcome.value).inc()
-            log.info("key_conflict_lookup", outcome=found.outcome.value, sent=found.sent)
-            d = after_conflict(
-                found, request, lookups=lookups, doubt_age=item.doubt_age, policy=policy
-            )
-            return ItemOutcome(item.id, attempts, lookups, d)
-        d = after_send(result, attempts=attempts, lookups=lookups, policy=policy, cleared=cleared)
-        return ItemOutcome(item.id, attempts, lookups, d)
-
-
-def _log_outcome(d: Decision) -> None:
-    """One line per item that did not succeed (a success is a debug line: the hot path)."""
-    if d.status is TxStatus.SUCCEEDED:
-        log.debug("item_succeeded")
-    elif d.status is TxStatus.DEAD:
-        log.error(
-            "dead_letter",
-            reason=d.dead_reason.value if d.dead_reason else None,
-            error_class=d.error_class,
-            error=d.error,
-        )
-    elif d.status is TxStatus.FAILED:
-        log.info("item_failed", reason=d.error_class, error=d.error)
-    else:
-        # retryable (nothing applied) or unknown (maybe sent: looked up next)
-        log.info(
-            "item_retry",
-            status=d.status.value,
-            reason=d.error_class,
-            delay=round(d.delay, 3),
-            error=d.error,
-        )
+    def _may_go_on(self, lock: HeldLock, until: float) -> bool:
+        """Whether the holder claims its next chunk now: its slice is not over, the worker
+        is not stopping and the lock is still its own (checked without raising: the chunk's
+        outcomes are recorded either way)."""
+        if self._clock() >= until or self._stopping():
+            return False
+        try:
+            lock.ensure_held()
+        except LockLost:
+            return False
+        return True
 
 
 def _untouched(item: ClaimedItem) -> ItemOutcome:

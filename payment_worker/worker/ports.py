@@ -1,7 +1,7 @@
 """What the drain loop needs from the outside world, as small interfaces.
 
 The loop talks to the database, the account lock, the gateway and the queue only through
-these, so it runs the same against the real adapters (``db.work.PgWorkStore``,
+these, so it runs the same against the real adapters (``db.work_store.PgWorkStore``,
 ``locks.AccountLock``, ``gateway.GatewayClient``, ``worker.queueing.RedisAccountQueue``) and
 against the in-memory fakes of the unit tests (``tests/fakes.py``).
 """
@@ -50,6 +50,19 @@ class WorkStore(Protocol):
     ) -> tuple[int, list[str], float | None]:
         """A drain's last chunk in one statement: ``record_outcomes`` (rows changed), then
         ``complete_and_next_due`` (batches completed, next due). Fenced."""
+        ...
+
+    def record_and_claim(
+        self,
+        account_id: str,
+        token: int,
+        outcomes: Sequence[ItemOutcome],
+        ended: Sequence[int],
+        limit: int,
+    ) -> tuple[int, list[str], Claim]:
+        """A chunk boundary in one statement: ``record_outcomes`` (rows changed), then
+        ``complete_batches(ended)`` (those completed), then ``claim_due(limit)`` for the next
+        chunk, which never takes a row just recorded. Fenced."""
         ...
 
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:

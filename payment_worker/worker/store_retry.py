@@ -164,6 +164,21 @@ class RetryingStore:
             lambda: self._store.record_and_finish(account_id, token, outcomes),
         )
 
+    def record_and_claim(
+        self,
+        account_id: str,
+        token: int,
+        outcomes: Sequence[ItemOutcome],
+        ended: Sequence[int],
+        limit: int,
+    ) -> tuple[int, list[str], Claim]:
+        """See :meth:`WorkStore.record_and_claim` (a retry after a lost answer claims again:
+        what the lost one took is found dispatching and looked up first)."""
+        return self._call(
+            "record_and_claim",
+            lambda: self._store.record_and_claim(account_id, token, outcomes, ended, limit),
+        )
+
     def complete_and_next_due(self, account_id: str, token: int) -> tuple[list[str], float | None]:
         """See :meth:`WorkStore.complete_and_next_due`."""
         return self._call(

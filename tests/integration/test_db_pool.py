@@ -79,7 +79,7 @@ def test_each_store_call_and_the_fence_cost_one_round_trip(pw_env: PwEnv, tmp_pa
 
     from payment_worker.db.engine import autocommit, make_engine
     from payment_worker.db.fences import issue_fence_token
-    from payment_worker.db.work import PgWorkStore
+    from payment_worker.db.work_store import PgWorkStore
 
     url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
     engine = make_engine(url, pool_size=1)

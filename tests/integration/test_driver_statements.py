@@ -16,7 +16,7 @@ from sqlalchemy import text
 from payment_worker.db.driver import Statement, checked_out, fetch
 from payment_worker.db.engine import make_engine
 from payment_worker.db.retry import transient_reason
-from payment_worker.db.work import PgWorkStore
+from payment_worker.db.work_store import PgWorkStore
 from payment_worker.errors import FencedOut
 from tests.conftest import PwEnv
 

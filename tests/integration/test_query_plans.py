@@ -166,6 +166,9 @@ def test_the_drains_statements_read_only_the_accounts_rows(filled: sqlalchemy.En
             "fence_and_claim": _plan(conn, work._FENCE_AND_CLAIM, {"n": 50, "acct": ACCOUNT}),
             "record_outcomes": _plan(conn, work._RECORD, {"rows": rows, **fence}),
             "record_and_finish": _plan(conn, work._RECORD_AND_FINISH, {"rows": rows, **fence}),
+            "record_and_claim": _plan(
+                conn, work._RECORD_AND_CLAIM, {"rows": rows, "pks": [1], "n": 50, **fence}
+            ),
             "complete_and_next_due": _plan(
                 conn, work._COMPLETE_AND_NEXT_DUE, {"pks": None, **fence}
             ),
@@ -199,6 +202,9 @@ def test_recording_outcomes_probes_only_the_items_dead_letters(rt: Runtime) -> N
         plans = {
             "record_outcomes": _plan(conn, work._RECORD, {"rows": rows, **fence}),
             "record_and_finish": _plan(conn, work._RECORD_AND_FINISH, {"rows": rows, **fence}),
+            "record_and_claim": _plan(
+                conn, work._RECORD_AND_CLAIM, {"rows": rows, "pks": [1], "n": 50, **fence}
+            ),
         }
     unbounded = {name: _unbounded_reads(plan, "dead_letters") for name, plan in plans.items()}
     assert unbounded == {name: [] for name in plans}

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from payment_worker import runtime
-from payment_worker.db.work import PgWorkStore
+from payment_worker.db.work_store import PgWorkStore
 from payment_worker.worker import drain
 from tests.conftest import PwEnv, submit_accounts
 from tests.sim_fixtures import SimHandle
