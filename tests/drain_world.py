@@ -28,6 +28,12 @@ class World:
     key_trust: float = 77760.0
     stopping: list[bool] = field(default_factory=lambda: [False])  # a warm shutdown began
 
+    @classmethod
+    def fresh(cls) -> World:
+        """A world on a new clock, with an empty store, gateway and queue."""
+        clock = FakeClock()
+        return cls(clock, FakeStore(clock), FakeGateway(), FakeQueue())
+
     def lock_for(self, account_id: str) -> FakeLock:
         lock = FakeLock(account_id, self.store, self.holders, self.queue.marks)
         self.locks.append(lock)

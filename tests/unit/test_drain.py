@@ -18,11 +18,7 @@ from payment_worker.gateway.outcomes import Outcome
 from payment_worker.locks.arrival import Arrival, EndRider
 from tests.drain_world import ACCT, World
 from tests.fakes import (
-    FakeClock,
-    FakeGateway,
     FakeLock,
-    FakeQueue,
-    FakeStore,
     answer,
     ok,
 )
@@ -30,8 +26,7 @@ from tests.fakes import (
 
 @pytest.fixture
 def w() -> World:
-    clock = FakeClock()
-    return World(clock, FakeStore(clock), FakeGateway(), FakeQueue())
+    return World.fresh()
 
 
 def test_claim_send_record_and_complete(w: World) -> None:

@@ -9,13 +9,11 @@ import pytest
 
 from payment_worker.domain.statuses import TxStatus
 from tests.drain_world import ACCT, World
-from tests.fakes import FakeClock, FakeGateway, FakeQueue, FakeStore
 
 
 @pytest.fixture
 def w() -> World:
-    clock = FakeClock()
-    return World(clock, FakeStore(clock), FakeGateway(), FakeQueue())
+    return World.fresh()
 
 
 def test_a_boundary_records_completes_the_ended_batch_and_claims_in_one_statement(
