@@ -34,6 +34,9 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
         # Postgres is the source of truth for outcomes; Celery results would only be a second copy.
         "task_ignore_result": True,
         "result_backend": None,
+        # ... so the backend is Celery's disabled one, which keeps no state: one instance for
+        # every thread, not one built at each task thread's first task end (lifecycle.py)
+        "result_backend_thread_safe": True,
         # Ack only after the task has run: a worker that dies mid-batch leaves the message to be
         # redelivered, and the batch resumes from Postgres state (the work is idempotent).
         "task_acks_late": True,

@@ -20,7 +20,8 @@ soft limit of open files is raised to its hard limit (:mod:`payment_worker.ops.o
 500 task slots at 1 s gateway latency held about 1,000 files (measured), the default soft
 limit of many systems, and the default is 750.
 
-Once a process is ready to run tasks, its heap as it stands is frozen out of the cyclic
+Once a process is ready to run tasks, Celery's result-backend lookup is done once
+(:func:`warm_result_backend`), then its heap as it stands is frozen out of the cyclic
 collector's reach (:func:`freeze_heap`): a full collection then walks what the tasks made,
 not the whole of Celery and SQLAlchemy.
 
@@ -159,10 +160,29 @@ def freeze_heap() -> int | None:
     return gc.get_freeze_count()
 
 
+def warm_result_backend(app: Any) -> None:
+    """Build the app's result backend now, before the first task, so that Celery's scan of
+    the installed packages for backend entry points is done (and cached) once.
+
+    Why: Celery builds the backend lazily, at the first task end that records a result
+    (ignored here, but asked for all the same), and a backend not flagged thread-safe once
+    per thread. The lookup behind it, ``load_extension_class_names``, reads every installed
+    package's entry points (about 3 ms alone) and is cached only once one call has
+    returned: the first burst of task ends in a fresh threads worker ran it in every thread
+    at once. With 750 threads that was seconds of CPU and a GIL convoy (a task that only
+    sleeps cost 4 to 7 ms of worker CPU instead of 0.5, issue 13, docs/benchmarks.md). The
+    config flags our disabled backend thread-safe, so this one instance serves every
+    thread."""
+    _ = app.backend
+
+
 def _child_started(**_: Any) -> None:
     """This process is ready to run tasks (a prefork child, or the worker itself below)."""
+    from payment_worker.worker.celery_app import app
+
     start_liveness()
     start_sweeper()
+    warm_result_backend(app)
     frozen = freeze_heap()
     if frozen is not None:
         log.info("heap_frozen", objects=frozen)
