@@ -136,6 +136,9 @@ def main() -> int:
                 profiler.dump_stats(args.profile)
             cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
             pg = _server_cpu() - pg0
+            psycopg.Cursor.execute = cursor_execute  # type: ignore[method-assign]
+            runtime.reset()  # the pool's backends end, and their table statistics are sent
+            tables = _table_stats(os.environ["DATABASE_URL"])
     n = args.accounts - WARM
     print(f"# account path  machine: {machine()}  commit: {git_rev()}")
     print()
@@ -150,6 +153,17 @@ def main() -> int:
         f"| {statements[0] / n:.2f} | {trips[0] / n:.2f} | {1000 * pg / n:.2f} "
         f"| {'yes' if args.profile else 'no'} |"
     )
+    print()
+    print(
+        "| table | rows | updates per row | heap-only updates | heap bytes per row "
+        "| index bytes per row |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, rows, upd, hot, heap, index in tables:
+        print(
+            f"| {name} | {rows:,} | {upd / max(rows, 1):.2f} | {hot / max(upd, 1):.0%} "
+            f"| {heap / max(rows, 1):,.0f} | {index / max(rows, 1):,.0f} |"
+        )
     if spent:
         print()
         print("| step (inclusive) | µs of thread CPU per account | calls per account |")
@@ -192,6 +206,31 @@ def _time_steps() -> dict[str, list[float]]:
 
     setattr(drain, "log", TimedLog())  # noqa: B010 (a module attribute mypy cannot see)
     return spent
+
+
+def _table_stats(url: str) -> list[tuple[str, int, int, int, int, int]]:
+    """Per table of the drain's writes: rows, updates, heap-only updates (no index entry
+    written), heap and index bytes, read once every backend that wrote has ended."""
+    import psycopg
+
+    out = []
+    with psycopg.connect(url, autocommit=True) as conn:
+        for name in ("transactions", "idempotency_keys"):
+            for _ in range(50):  # an ended backend's statistics arrive a moment later
+                row = conn.execute(
+                    "SELECT n_live_tup + n_dead_tup, n_tup_upd, n_tup_hot_upd,"
+                    " pg_relation_size(relid), pg_indexes_size(relid)"
+                    " FROM pg_stat_user_tables WHERE relname = %s",
+                    (name,),
+                ).fetchone()
+                conn.execute("SELECT pg_stat_clear_snapshot()")
+                if row and row[1]:
+                    break
+                time.sleep(0.1)
+            assert row is not None
+            [rows] = conn.execute(f"SELECT count(*) FROM {name}").fetchone() or [0]
+            out.append((name, int(rows), int(row[1]), int(row[2]), int(row[3]), int(row[4])))
+    return out
 
 
 def _server_cpu() -> float:

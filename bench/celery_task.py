@@ -61,6 +61,7 @@ def one_round(
         c0, t0 = process_cpu_seconds(worker.pid), time.monotonic()
         for _ in range(tasks):
             noop.apply_async((sleep_s,))
+        print(f"# published in {time.monotonic() - t0:.2f} s", flush=True)
         while broker.llen("payments") or broker.hlen("unacked"):
             if time.monotonic() - t0 > 600:
                 raise SystemExit("the tasks did not finish in 600 s")
@@ -95,12 +96,12 @@ def main() -> int:
     print(f"# celery task  machine: {machine()}  commit: {git_rev()}")
     print(f"# {args.tasks} tasks of {args.sleep} s a round, {args.rounds} rounds; the median")
     print()
-    print("| slots | worker CPU µs per task | seconds until acked | rounds (µs) |")
+    print("| slots | worker CPU µs per task | seconds until acked | rounds (µs, seconds) |")
     print("|---|---|---|---|")
     for s, runs in results.items():
         cpu = statistics.median(r[0] for r in runs)
         secs = statistics.median(r[1] for r in runs)
-        every = ", ".join(f"{r[0]:,.0f}" for r in runs)
+        every = ", ".join(f"{r[0]:,.0f} ({r[1]:.1f} s)" for r in runs)
         label = f"{default} (default)" if s is None else str(s)
         print(f"| {label} | {cpu:,.0f} | {secs:.1f} | {every} |")
     return 0
