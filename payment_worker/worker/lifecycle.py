@@ -170,7 +170,7 @@ def warm_result_backend(app: Any) -> None:
     package's entry points (about 3 ms alone) and is cached only once one call has
     returned: the first burst of task ends in a fresh threads worker ran it in every thread
     at once. With 750 threads that was seconds of CPU and a GIL convoy (a task that only
-    sleeps cost 4 to 7 ms of worker CPU instead of 0.5, issue 13, docs/benchmarks.md). The
+    sleeps cost 4 to 20 ms of worker CPU instead of 0.5, issue 13, docs/benchmarks.md). The
     config flags our disabled backend thread-safe, so this one instance serves every
     thread."""
     _ = app.backend
