@@ -231,7 +231,9 @@ def test_401_refreshes_once_and_retries(client: GatewayClient, gateway_sim: SimH
 
 
 def test_401_twice_is_retry(client: GatewayClient, gateway_sim: SimHandle) -> None:
-    gateway_sim.configure(token_ttl=0.001, latency_ms=5)  # every token is dead on arrival
+    # a token dies a microsecond after it is issued: before any request can carry it (a
+    # millisecond was not enough on a fast host, where the create arrived within it)
+    gateway_sim.configure(token_ttl=1e-6, latency_ms=5)
     r = create(client, tx())
     assert (r.outcome, r.http_status, r.reason) == (Outcome.RETRY, 401, "invalid_token")
     ledger = gateway_sim.ledger()
