@@ -60,6 +60,11 @@ def main() -> int:
     p.add_argument("--items", type=int, default=5)
     p.add_argument("--profile", help="write a cProfile of the timed part here")
     p.add_argument("--calls", action="store_true", help="thread CPU per step of the drain")
+    p.add_argument(
+        "--plans",
+        action="store_true",
+        help="the prepared statements of the pooled connection, and how often each was planned",
+    )
     args = p.parse_args()
     if args.accounts <= WARM or args.items < 1:
         p.error(f"--accounts must exceed {WARM} and --items be at least 1")
@@ -137,6 +142,7 @@ def main() -> int:
             cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
             pg = _server_cpu() - pg0
             psycopg.Cursor.execute = cursor_execute  # type: ignore[method-assign]
+            plans = _prepared_plans(rt.engine) if args.plans else []
             runtime.reset()  # the pool's backends end, and their table statistics are sent
             tables = _table_stats(os.environ["DATABASE_URL"])
     n = args.accounts - WARM
@@ -171,7 +177,27 @@ def main() -> int:
         for name, (seconds, calls) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
             if calls:
                 print(f"| {name} | {1e6 * seconds / n:,.0f} | {calls / n:.2f} |")
+    if args.plans:
+        print()
+        print("| prepared statement (the pooled connection's) | generic plans | custom plans |")
+        print("|---|---|---|")
+        for text, generic, custom in plans:
+            print(f"| `{text}` | {generic:,} | {custom:,} |")
     return 0
+
+
+def _prepared_plans(engine: Any) -> list[tuple[str, int, int]]:
+    """The prepared statements of the connection the drains used (one thread: the pool's
+    one connection), each by its first words, with how many times Postgres planned it
+    generically and for its parameters (``pg_prepared_statements``, Postgres 14+)."""
+    from payment_worker.db.driver import checked_out
+
+    with checked_out(engine) as conn:
+        rows = conn.execute(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+            " ORDER BY generic_plans + custom_plans DESC"
+        ).fetchall()
+    return [(" ".join(str(r[0]).split())[:60], int(r[1]), int(r[2])) for r in rows]
 
 
 def _time_steps() -> dict[str, list[float]]:
