@@ -10,19 +10,24 @@ a pass). The updates of ``batches`` that chose a batch by its id and status scan
 open batch on statistics that said all were completed (44 ms a statement at 100,000 open
 batches), and the closing of a replayed item's dead letter every open letter on statistics
 that said none was open. These tests build such tables in a fresh database and read the
-plans PostgreSQL chooses for the real statements (EXPLAIN, JSON).
+plans PostgreSQL chooses for the real statements (EXPLAIN, JSON): both the plan for the
+given parameters and the generic plan, which a pooled connection runs once it has prepared
+a statement and Postgres finds the generic plan no costlier.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+import psycopg.sql
 import pytest
 import sqlalchemy
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 
 from payment_worker.db import stalls, work
+from payment_worker.db.driver import Statement
 from payment_worker.db.fences import fence_params
 from payment_worker.runtime import Runtime
 
@@ -70,9 +75,71 @@ def _fill(conn: sqlalchemy.Connection, first: int, last: int) -> None:
     )
 
 
-def _plan(conn: sqlalchemy.Connection, statement: sqlalchemy.TextClause, params: Any) -> Any:
-    """The plan PostgreSQL chooses for ``statement`` (EXPLAIN: nothing is executed)."""
-    return conn.execute(text("EXPLAIN (FORMAT JSON) " + statement.text), params).scalar_one()
+def _plan(conn: sqlalchemy.Connection, statement: Statement | TextClause, params: Any) -> Any:
+    """The plan PostgreSQL chooses for ``statement`` and these parameters (EXPLAIN: nothing
+    is executed)."""
+    clause = statement.clause if isinstance(statement, Statement) else statement
+    return conn.execute(text("EXPLAIN (FORMAT JSON) " + clause.text), params).scalar_one()
+
+
+def _generic_plan(
+    conn: sqlalchemy.Connection, statement: Statement | TextClause, params: Any
+) -> Any:
+    """The plan PostgreSQL keeps for ``statement`` prepared, whatever the parameters: the
+    generic plan. Every statement is prepared on a pooled connection (the drain's at their
+    first run, the others after psycopg's threshold of five), and after five plans for their
+    parameters Postgres runs the generic one wherever it estimates it no costlier; so it must
+    be bounded too. (EXPLAIN EXECUTE under ``force_generic_plan``: nothing is executed.)"""
+    sql = statement.sql if isinstance(statement, Statement) else Statement.of(statement.text).sql
+    names: list[str] = []
+
+    def numbered(m: re.Match[str]) -> str:
+        if m.group(1) not in names:
+            names.append(m.group(1))
+        return f"${names.index(m.group(1)) + 1}"
+
+    prepared = re.sub(r"%\((\w+)\)s", numbered, sql).replace("%%", "%")
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    types = ", ".join(_PARAM_TYPES[n] for n in names)
+    driver.execute("SET plan_cache_mode = force_generic_plan")
+    driver.execute(f"PREPARE pw_plan_check ({types}) AS {prepared}")
+    try:
+        # EXPLAIN takes no bound parameters: the values as literals (the plan is generic)
+        args = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(params[n]) for n in names)
+        query = psycopg.sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE pw_plan_check({})").format(args)
+        row = driver.execute(query).fetchone()
+        assert row is not None
+        return row[0]
+    finally:
+        driver.execute("DEALLOCATE pw_plan_check")
+        driver.execute("RESET plan_cache_mode")
+
+
+# the statements' parameters, typed as their columns (a generic plan is planned for types,
+# not values)
+_PARAM_TYPES = {
+    "acct": "text",
+    "tok": "bigint",
+    "n": "int",
+    "rows": "text",
+    "pks": "bigint[]",
+    "accts": "text[]",
+    "stale": "float8",
+    "limit": "int",
+    "every": "boolean",
+}
+
+
+def _plans(
+    conn: sqlalchemy.Connection, statement: Statement | TextClause, params: Any
+) -> dict[str, Any]:
+    """Both plans a pooled connection may run for ``statement``: for these parameters and
+    the generic one."""
+    return {
+        "custom": _plan(conn, statement, params),
+        "generic": _generic_plan(conn, statement, params),
+    }
 
 
 _SCANS = ("Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Index Scan")
@@ -162,22 +229,28 @@ def test_the_drains_statements_read_only_the_accounts_rows(filled: sqlalchemy.En
         rows = _succeeded_rows(conn)
         fence = fence_params(ACCOUNT, 1)
         plans = {
-            "claim": _plan(conn, work._CLAIM, {"n": 50, **fence}),
-            "fence_and_claim": _plan(conn, work._FENCE_AND_CLAIM, {"n": 50, "acct": ACCOUNT}),
-            "record_outcomes": _plan(conn, work._RECORD, {"rows": rows, **fence}),
-            "record_and_finish": _plan(conn, work._RECORD_AND_FINISH, {"rows": rows, **fence}),
-            "record_and_claim": _plan(
+            "claim": _plans(conn, work._CLAIM, {"n": 50, **fence}),
+            "fence_and_claim": _plans(conn, work._FENCE_AND_CLAIM, {"n": 50, "acct": ACCOUNT}),
+            "record_outcomes": _plans(conn, work._RECORD, {"rows": rows, **fence}),
+            "record_and_finish": _plans(conn, work._RECORD_AND_FINISH, {"rows": rows, **fence}),
+            "record_and_claim": _plans(
                 conn, work._RECORD_AND_CLAIM, {"rows": rows, "pks": [1], "n": 50, **fence}
             ),
-            "complete_and_next_due": _plan(
+            "complete_and_next_due": _plans(
                 conn, work._COMPLETE_AND_NEXT_DUE, {"pks": None, **fence}
             ),
-            "complete_batches": _plan(conn, work._COMPLETE, {"pks": None, **fence}),
-            "still_stalled": _plan(conn, stalls._STILL_STALLED, {"accts": [ACCOUNT], "stale": 2.0}),
+            "complete_batches": _plans(conn, work._COMPLETE, {"pks": None, **fence}),
+            "still_stalled": _plans(
+                conn, stalls._STILL_STALLED, {"accts": [ACCOUNT], "stale": 2.0}
+            ),
         }
     for table in _BOUNDS:
-        unbounded = {name: _unbounded_reads(plan, table) for name, plan in plans.items()}
-        assert unbounded == {name: [] for name in plans}, table
+        unbounded = {
+            (name, kind): _unbounded_reads(plan, table)
+            for name, both in plans.items()
+            for kind, plan in both.items()
+        }
+        assert unbounded == {key: [] for key in unbounded}, table
 
 
 def test_recording_outcomes_probes_only_the_items_dead_letters(rt: Runtime) -> None:
@@ -200,14 +273,18 @@ def test_recording_outcomes_probes_only_the_items_dead_letters(rt: Runtime) -> N
         rows = _succeeded_rows(conn)
         fence = fence_params(ACCOUNT, 1)
         plans = {
-            "record_outcomes": _plan(conn, work._RECORD, {"rows": rows, **fence}),
-            "record_and_finish": _plan(conn, work._RECORD_AND_FINISH, {"rows": rows, **fence}),
-            "record_and_claim": _plan(
+            "record_outcomes": _plans(conn, work._RECORD, {"rows": rows, **fence}),
+            "record_and_finish": _plans(conn, work._RECORD_AND_FINISH, {"rows": rows, **fence}),
+            "record_and_claim": _plans(
                 conn, work._RECORD_AND_CLAIM, {"rows": rows, "pks": [1], "n": 50, **fence}
             ),
         }
-    unbounded = {name: _unbounded_reads(plan, "dead_letters") for name, plan in plans.items()}
-    assert unbounded == {name: [] for name in plans}
+    unbounded = {
+        (name, kind): _unbounded_reads(plan, "dead_letters")
+        for name, both in plans.items()
+        for kind, plan in both.items()
+    }
+    assert unbounded == {key: [] for key in unbounded}
 
 
 def test_the_sweepers_uncompleted_batch_query_probes_each_open_batch(
@@ -216,8 +293,11 @@ def test_the_sweepers_uncompleted_batch_query_probes_each_open_batch(
     """Once per second, fleet-wide: one index probe per open batch, never a scan of every
     transaction (it ran 19 s a pass on stale statistics, its inner side a full index scan)."""
     with filled.connect() as conn:
-        plan = _plan(conn, stalls._UNCOMPLETED, {"stale": 2.0, "limit": 500})
-    assert _unbounded_reads(plan) == []
+        plans = _plans(conn, stalls._UNCOMPLETED, {"stale": 2.0, "limit": 500})
+    assert {kind: _unbounded_reads(plan) for kind, plan in plans.items()} == {
+        "custom": [],
+        "generic": [],
+    }
 
 
 def test_the_statements_still_do_their_work_on_that_table(filled: sqlalchemy.Engine) -> None:
