@@ -80,7 +80,13 @@ def fetch(
     if not isinstance(statement, Statement):
         raise TypeError("a driver connection runs a Statement (its psycopg text)")
     with conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(statement.sql, params)
+        # prepared at its first run on this connection, not after psycopg's default five:
+        # Postgres then plans it for its parameters five times and, where the generic plan is
+        # no costlier, never again on this connection. A fresh worker's burst no longer plans
+        # every statement up to ten times per pooled connection (docs/benchmarks.md,
+        # "Twenty-ninth session"). Behind PgBouncer the connection prepares nothing
+        # (``prepare_threshold`` None overrides this)
+        cur.execute(statement.sql, params, prepare=True)
         return cur.fetchall()
 
 

@@ -151,3 +151,33 @@ def test_both_connection_kinds_read_the_same_values(
     assert via_driver == via_sqlalchemy
     assert via_driver[0]["b"] == {"k": [1, "v"]} and via_driver[0]["c"] == [1, 2]
     assert "--" not in stmt.sql and "%(a)s" in stmt.sql
+
+
+def _prepared(conn: psycopg.Connection[Any]) -> list[str]:
+    rows = conn.execute("SELECT statement FROM pg_prepared_statements").fetchall()
+    return [str(r[0]) for r in rows]
+
+
+@pytest.mark.parametrize("pgbouncer", [False, True])
+def test_a_drain_statement_is_prepared_at_its_first_run_unless_behind_pgbouncer(
+    pw_env: PwEnv, pgbouncer: bool
+) -> None:
+    """Prepared on its first run, not psycopg's sixth: a fresh worker's pooled connections
+    stop planning the drain's statements early in its first burst. Behind PgBouncer in
+    transaction mode nothing is ever prepared (the next transaction may get another server
+    session, where the name does not exist)."""
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    engine = make_engine(url, pool_size=1, application_name=APP, pgbouncer=pgbouncer)
+    stmt = Statement.of("SELECT CAST(:a AS int) + 1 AS b -- the drain's kind of statement")
+    try:
+        with checked_out(engine) as conn:
+            assert fetch(conn, stmt, {"a": 1}) == [{"b": 2}]
+            prepared = _prepared(conn)
+        expected = [] if pgbouncer else ["SELECT CAST($1 AS int) + 1 AS b"]
+        assert [p for p in prepared if "+ 1 AS b" in p] == expected
+        # the same connection runs it again on its prepared statement: nothing new prepared
+        with checked_out(engine) as conn:
+            assert fetch(conn, stmt, {"a": 2}) == [{"b": 3}]
+            assert _prepared(conn) == prepared
+    finally:
+        engine.dispose()
