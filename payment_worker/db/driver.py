@@ -31,6 +31,7 @@ from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError
 
+from payment_worker.db.retry import plan_changed
 from payment_worker.db.sql_text import compact_text
 
 DriverConnection: TypeAlias = "psycopg.Connection[Any]"
@@ -114,6 +115,10 @@ def checked_out(engine: Engine) -> Iterator[DriverConnection]:
                 # the generation: a server restart broke its siblings too. The pool's own
                 # method, the one SQLAlchemy calls for a disconnect under its statements
                 engine.pool._invalidate(fairy, exc)
+            elif plan_changed(exc):
+                # this connection's prepared statements are stale (a migration changed a
+                # column they return): it goes, and the retry prepares on a fresh one
+                fairy.invalidate(exc)
             raise DBAPIError.instance(
                 None, None, exc, psycopg.Error, connection_invalidated=broken
             ) from exc

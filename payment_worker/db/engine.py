@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import DisconnectionError
+
+from payment_worker.db.retry import plan_changed
 
 if TYPE_CHECKING:
     from payment_worker.settings import Settings
@@ -188,6 +190,7 @@ def make_engine(
         ),
     )
     _ping_after_idle(engine)
+    _drop_stale_prepared(engine)
     return engine
 
 
@@ -225,6 +228,21 @@ def _ping_after_idle(engine: Engine) -> None:
 
     event.listen(engine.pool, "checkin", on_checkin)
     event.listen(engine.pool, "checkout", on_checkout)
+
+
+def _drop_stale_prepared(engine: Engine) -> None:
+    """A statement of SQLAlchemy's that Postgres refuses because the connection prepared it
+    before a column it returns changed type (psycopg prepares a statement run five times on
+    a connection): that connection alone is dropped, as after a disconnect, so the next
+    statement gets one without stale prepared statements (the drain's own statements do the
+    same in :func:`~payment_worker.db.driver.checked_out`)."""
+
+    def on_error(context: ExceptionContext) -> None:
+        if plan_changed(context.original_exception):
+            context.is_disconnect = True
+            context.invalidate_pool_on_disconnect = False
+
+    event.listen(engine, "handle_error", on_error)
 
 
 @contextmanager

@@ -8,8 +8,11 @@ Transient: the connection broke (reset, server restart, ``pg_terminate_backend``
 shutdown 57P01, crash shutdown 57P02), the server cannot take connections yet (57P03,
 starting up or shutting down: a failover or a restart), connecting failed, the server is a
 standby now (read-only transaction 25006, a failover caught half way), a serialization
-failure (40001) or a deadlock (40P01), and no free pooled connection within
-``DB_POOL_TIMEOUT``. Not transient: a statement or lock timeout (57014, 55P03; the bounds
+failure (40001) or a deadlock (40P01), no free pooled connection within
+``DB_POOL_TIMEOUT``, and a prepared statement whose result columns changed type under it (a
+migration that altered one while workers ran: Postgres then refuses that statement on every
+connection that prepared it, so the connection is dropped and the retry prepares it afresh;
+:func:`plan_changed`). Not transient: a statement or lock timeout (57014, 55P03; the bounds
 that stop a blocked holder on purpose), constraint violations, bad SQL, anything else.
 """
 
@@ -46,8 +49,22 @@ REASONS = (
     "connection",
     "disconnect",
     "pool_timeout",
+    "plan_changed",
 )
 """Every reason :func:`transient_reason` may return (the metric's bounded label values)."""
+
+
+# Postgres's words (0A000, feature not supported) for a prepared statement it will not run
+# again on this connection: a column it returns changed type since it was prepared
+_PLAN_CHANGED = "cached plan must not change result type"
+
+
+def plan_changed(exc: BaseException) -> bool:
+    """True when ``exc`` (a driver error, or SQLAlchemy's around one) says a statement
+    prepared on the connection returns columns of another type now: the connection's
+    prepared statements are stale, and it must not run them again."""
+    orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
+    return isinstance(orig, pg_errors.FeatureNotSupported) and _PLAN_CHANGED in str(orig)
 
 
 def transient_reason(exc: BaseException) -> str | None:
@@ -57,6 +74,8 @@ def transient_reason(exc: BaseException) -> str | None:
     orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
     if isinstance(orig, _NEVER):
         return None
+    if orig is not None and plan_changed(orig):
+        return "plan_changed"  # refused before it ran; its connection was dropped
     sqlstate = getattr(orig, "sqlstate", None)
     if sqlstate in _BY_SQLSTATE:
         return _BY_SQLSTATE[sqlstate]

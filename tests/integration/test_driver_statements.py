@@ -181,3 +181,56 @@ def test_a_drain_statement_is_prepared_at_its_first_run_unless_behind_pgbouncer(
             assert _prepared(conn) == prepared
     finally:
         engine.dispose()
+
+
+def _backend_pid(engine: sqlalchemy.Engine) -> int:
+    with checked_out(engine) as conn:
+        return int(conn.info.backend_pid)
+
+
+def test_a_drain_statement_prepared_before_a_migration_changed_its_columns_runs_again(
+    engine_of: Callable[[int], sqlalchemy.Engine], db_conn: psycopg.Connection[Any]
+) -> None:
+    """A migration that changes the type of a column the claim returns, run while the worker
+    holds the claim prepared: Postgres refuses that prepared statement on that connection for
+    good. The refusal is transient (``plan_changed``, nothing ran) and the connection alone is
+    dropped, so the retry prepares the statement afresh and the claim goes on."""
+    engine = engine_of(1)
+    store = PgWorkStore(engine)
+    assert store.fence_and_claim("acct-mig", 5).fence_token == 1  # both statements prepared
+    assert store.claim_due("acct-mig", 1, 5) == []
+    before = _backend_pid(engine)
+    db_conn.execute("ALTER TABLE transactions ALTER COLUMN description TYPE varchar(500)")
+    with pytest.raises(sqlalchemy.exc.DBAPIError) as refused:
+        store.claim_due("acct-mig", 1, 5)
+    assert transient_reason(refused.value) == "plan_changed"
+    assert refused.value.connection_invalidated is False  # the generation is left alone
+    assert store.claim_due("acct-mig", 1, 5) == []
+    assert _backend_pid(engine) != before
+
+
+def test_a_sqlalchemy_statement_prepared_before_a_migration_drops_only_its_connection(
+    engine_of: Callable[[int], sqlalchemy.Engine], db_conn: psycopg.Connection[Any]
+) -> None:
+    """The same through SQLAlchemy (the sweeper's and the tools' statements, which psycopg
+    prepares at their sixth run on a connection): the refusal counts as a disconnect of that
+    one connection, and the next statement runs on a fresh one."""
+    db_conn.execute("CREATE TABLE pw_mig (id int PRIMARY KEY, a int NOT NULL)")
+    db_conn.execute("INSERT INTO pw_mig VALUES (1, 0)")
+    engine = engine_of(1)
+    bump = text("UPDATE pw_mig SET a = a + 1 WHERE id = 1 RETURNING a")
+    with engine.connect() as conn:
+        for _ in range(6):  # prepared at the sixth (psycopg's prepare_threshold, 5)
+            conn.execute(bump)
+        conn.commit()
+        before = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
+    db_conn.execute("ALTER TABLE pw_mig ALTER COLUMN a TYPE bigint")
+    with engine.connect() as conn, pytest.raises(sqlalchemy.exc.DBAPIError) as refused:
+        conn.execute(bump)
+    assert transient_reason(refused.value) == "plan_changed"
+    assert refused.value.connection_invalidated
+    with engine.connect() as conn:
+        assert conn.execute(bump).scalar_one() == 7  # the refused one changed nothing
+        conn.commit()
+        after = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
+    assert after != before

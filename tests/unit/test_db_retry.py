@@ -54,6 +54,12 @@ ADMIN_SHUTDOWN = dbapi(pg_errors.AdminShutdown("terminating connection due to ad
         (dbapi(psycopg.OperationalError("connection refused")), "connection"),
         (dbapi(psycopg.DatabaseError("ssl error"), invalidated=True), "disconnect"),
         (sa_exc.TimeoutError("QueuePool limit of size 2 overflow 0 reached"), "pool_timeout"),
+        # a prepared statement refused after a migration changed a column it returns
+        (
+            dbapi(pg_errors.FeatureNotSupported("cached plan must not change result type")),
+            "plan_changed",
+        ),
+        (dbapi(pg_errors.FeatureNotSupported("LIMIT is not supported here")), None),
         # the bounds that stop a blocked holder on purpose are never retried
         (dbapi(pg_errors.QueryCanceled("canceling statement due to statement timeout")), None),
         (dbapi(pg_errors.LockNotAvailable("canceling statement due to lock timeout")), None),
