@@ -1,7 +1,7 @@
 """Worker CPU per message of Celery itself on our configuration (issue 13).
 
     .venv/bin/python bench/celery_task.py                      # 2,000 tasks of 1 s, 3 rounds
-    .venv/bin/python bench/celery_task.py --slots 750 50 --sleep 0.05
+    .venv/bin/python bench/celery_task.py --slots 1000 50 --sleep 0.05
 
 One real worker, the plain ``celery -A payment_worker worker`` (threads, the settings'
 slots unless ``--slots`` gives ``WORKER_CONCURRENCY``), plus a task that only sleeps

@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-# threads per pool lock: a 750-slot worker puts about 24 threads on each
+# threads per pool lock: a 1,000-slot worker puts about 31 threads on each
 SHARDS = 32
 
 

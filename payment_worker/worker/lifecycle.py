@@ -18,7 +18,7 @@ this module keeps no state of its own.
 At start (``worker_init``, before the pool, so prefork children inherit it) the process's
 soft limit of open files is raised to its hard limit (:mod:`payment_worker.ops.open_files`):
 500 task slots at 1 s gateway latency held about 1,000 files (measured), the default soft
-limit of many systems, and the default is 750.
+limit of many systems, and the default is 1,000.
 
 Once a process is ready to run tasks, Celery's result-backend lookup is done once
 (:func:`warm_result_backend`), then its heap as it stands is frozen out of the cyclic
