@@ -71,11 +71,11 @@ def transient_reason(exc: BaseException) -> str | None:
     """Why ``exc`` is a transient database error (a label of :data:`REASONS`), or None."""
     if isinstance(exc, sa_exc.TimeoutError):
         return "pool_timeout"  # QueuePool: no free connection within DB_POOL_TIMEOUT
+    if plan_changed(exc):
+        return "plan_changed"  # refused before it ran; its connection was dropped
     orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
     if isinstance(orig, _NEVER):
         return None
-    if orig is not None and plan_changed(orig):
-        return "plan_changed"  # refused before it ran; its connection was dropped
     sqlstate = getattr(orig, "sqlstate", None)
     if sqlstate in _BY_SQLSTATE:
         return _BY_SQLSTATE[sqlstate]
