@@ -100,7 +100,9 @@ def checked_out(engine: Engine) -> Iterator[DriverConnection]:
     on the client side, no round trip). A psycopg error comes out as SQLAlchemy's
     (``DBAPIError.instance``, as a statement of SQLAlchemy's own would raise it); when the
     connection broke under it, the pool drops it and every connection opened before it
-    (SQLAlchemy's rule for a disconnect), and the error says ``connection_invalidated``.
+    (SQLAlchemy's rule for a disconnect); when its prepared statements went stale (a
+    migration), the pool drops that connection alone. Either way the error says
+    ``connection_invalidated``.
     """
     fairy = engine.raw_connection()
     try:
@@ -111,16 +113,18 @@ def checked_out(engine: Engine) -> Iterator[DriverConnection]:
         except psycopg.Error as exc:
             # what SQLAlchemy's psycopg dialect calls a disconnect
             broken = conn.closed or conn.broken
+            stale = not broken and plan_changed(exc)
             if broken:
                 # the generation: a server restart broke its siblings too. The pool's own
                 # method, the one SQLAlchemy calls for a disconnect under its statements
                 engine.pool._invalidate(fairy, exc)
-            elif plan_changed(exc):
+            elif stale:
                 # this connection's prepared statements are stale (a migration changed a
-                # column they return): it goes, and the retry prepares on a fresh one
+                # column they return): it goes alone, and the retry prepares on a fresh one
                 fairy.invalidate(exc)
+            # as SQLAlchemy says it for its own statements (db.engine's handle_error)
             raise DBAPIError.instance(
-                None, None, exc, psycopg.Error, connection_invalidated=broken
+                None, None, exc, psycopg.Error, connection_invalidated=broken or stale
             ) from exc
         finally:
             _reset(fairy, conn)

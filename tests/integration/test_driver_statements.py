@@ -195,8 +195,11 @@ def test_a_drain_statement_prepared_before_a_migration_changed_its_columns_runs_
     holds the claim prepared: Postgres refuses that prepared statement on that connection for
     good. The refusal is transient (``plan_changed``, nothing ran) and the connection alone is
     dropped, so the retry prepares the statement afresh and the claim goes on."""
-    engine = engine_of(1)
+    engine = engine_of(2)
     store = PgWorkStore(engine)
+    # a sibling connection, lent out meanwhile: the statements prepare on the other one
+    sibling = engine.raw_connection()
+    sibling_pid = sibling.driver_connection.info.backend_pid  # type: ignore[union-attr]
     assert store.fence_and_claim("acct-mig", 5).fence_token == 1  # both statements prepared
     assert store.claim_due("acct-mig", 1, 5) == []
     before = _backend_pid(engine)
@@ -204,9 +207,18 @@ def test_a_drain_statement_prepared_before_a_migration_changed_its_columns_runs_
     with pytest.raises(sqlalchemy.exc.DBAPIError) as refused:
         store.claim_due("acct-mig", 1, 5)
     assert transient_reason(refused.value) == "plan_changed"
-    assert refused.value.connection_invalidated is False  # the generation is left alone
+    assert refused.value.connection_invalidated  # as through SQLAlchemy (the test below)
     assert store.claim_due("acct-mig", 1, 5) == []
     assert _backend_pid(engine) != before
+    # only that connection went: the sibling is pooled still (not its generation's fate)
+    sibling.close()
+    lent = [engine.raw_connection() for _ in range(2)]
+    try:
+        pids = {c.driver_connection.info.backend_pid for c in lent}  # type: ignore[union-attr]
+    finally:
+        for c in lent:
+            c.close()
+    assert sibling_pid in pids and before not in pids
 
 
 def test_a_sqlalchemy_statement_prepared_before_a_migration_drops_only_its_connection(
