@@ -106,9 +106,13 @@ claimed AS (
         status = CASE WHEN pick.prev IN ({_SENDABLE})
                       THEN 'dispatching' ELSE 'unknown' END,
         attempts = t.attempts + CASE WHEN pick.prev IN ({_SENDABLE}) THEN 1 ELSE 0 END,
-        -- a crashed holder's send (its dispatched_at, the old value here) is now in doubt
+        -- a crashed holder's send (its dispatched_at, the old value here) is now in doubt.
+        -- An item claimed for a lookup may be sent in this step (after a 404): when nothing
+        -- of it was in doubt (a replayed item), its doubt dates from this claim, so a record
+        -- lost after that send still leaves the in-doubt bound and the key trust a start
         doubt_since = CASE WHEN pick.prev = 'dispatching'
                            THEN COALESCE(t.doubt_since, t.dispatched_at, t.created_at)
+                           WHEN pick.prev = 'unknown' THEN COALESCE(t.doubt_since, now())
                            ELSE t.doubt_since END,
         dispatched_at = now(),
         fence_token = (SELECT fence_token FROM fence),

@@ -194,7 +194,8 @@ def after_lookup(
     """Next state after ``lookup_payment`` of an item in doubt.
 
     ``lookups`` counts this lookup if it reached the gateway; ``doubt_age`` is the age of
-    the oldest send in doubt (None: nothing recorded, which a migrated row never is).
+    the oldest send in doubt (None: nothing recorded; the claim dates every item it takes
+    for a lookup, so the drain never passes None).
     """
     final = _final(result)
     if final is not None:

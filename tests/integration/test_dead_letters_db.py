@@ -4,12 +4,15 @@ are made dead by hand the way the record statement makes them."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
 
 from payment_worker import runtime
 from payment_worker.db import dead_letters as dlq
+from payment_worker.db.work_store import PgWorkStore
+from payment_worker.domain.statuses import TxStatus
 from payment_worker.producer.submit import submit_batch
 
 ACCT = "acct-dlq-db"
@@ -94,6 +97,28 @@ def test_a_never_in_doubt_item_replays_at_any_age(rt: runtime.Runtime, db_conn: 
     with rt.engine.connect() as c:
         c = c.execution_options(isolation_level="AUTOCOMMIT")
         assert dlq.replay(c, dl_id, TRUST, "t").result == dlq.REPLAYED
+
+
+def test_a_replayed_item_never_in_doubt_dates_its_doubt_from_its_first_claim(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    """A replayed item that was never in doubt comes back ``unknown`` with no ``doubt_since``.
+    Its first holder may send it in that step (after a lookup 404): if that holder's record
+    is lost (a crash), the doubt must still date from that claim, or the in-doubt bound
+    would never apply and a 404 long past the key retention would send it again."""
+    dl_id = _dead(db_conn, "b3b", "retries_exhausted", None)
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        assert dlq.replay(c, dl_id, TRUST, "t").result == dlq.REPLAYED
+    store = PgWorkStore(rt.autocommit_engine)
+    [first] = store.fence_and_claim(ACCT, 5)
+    assert first.status is TxStatus.UNKNOWN  # looked up before any send
+    assert first.doubt_age is not None and first.doubt_age < 1.0
+    time.sleep(0.3)
+    # the first holder crashed without a record: the next holder's doubt is the first's
+    [again] = store.fence_and_claim(ACCT, 5)
+    assert again.status is TxStatus.UNKNOWN
+    assert again.doubt_age is not None and again.doubt_age >= 0.3
 
 
 def test_two_concurrent_replays_one_wins(rt: runtime.Runtime, db_conn: Any) -> None:
