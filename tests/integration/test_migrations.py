@@ -72,3 +72,52 @@ def test_models_match_the_migrations(pw_env: PwEnv) -> None:
     with runtime.current().engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), metadata)
     assert diff == []
+
+
+def test_0006_dates_the_doubt_of_items_dead_in_doubt_before_0003(
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    """Items already dead in doubt when 0003 ran kept no ``doubt_since`` and read as never in
+    doubt (replayable at any age); 0006 dates them from their row. An item dead with nothing
+    in doubt stays undated."""
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    migrate.downgrade(url, "0005")
+    db_conn.execute(
+        "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
+        " VALUES ('mig6', 'acct-mig6', 'fp', 'completed', 3)"
+    )
+    for tx, reason, key in (
+        ("unresolved", "unknown_unresolved", "sent"),
+        ("key-sent", "retries_exhausted", "sent"),
+        ("never", "retries_exhausted", "not_applied"),
+    ):
+        db_conn.execute(
+            "INSERT INTO transactions (batch_pk, account_id, transaction_id, amount, currency,"
+            " beneficiary, idempotency_key, status, created_at)"
+            " SELECT id, 'acct-mig6', %(tx)s, 100, 'IDR', '{}', 'k-' || %(tx)s, 'dead',"
+            "  now() - interval '3 days' FROM batches WHERE batch_id = 'mig6'",
+            {"tx": tx},
+        )
+        db_conn.execute(
+            "INSERT INTO idempotency_keys (key, transaction_pk, request_fingerprint, status)"
+            " SELECT idempotency_key, id, 'fp', %(key)s FROM transactions"
+            " WHERE transaction_id = %(tx)s",
+            {"tx": tx, "key": key},
+        )
+        db_conn.execute(
+            "INSERT INTO dead_letters (transaction_pk, batch_pk, reason, attempts, payload)"
+            " SELECT id, batch_pk, %(reason)s, 1, '{}' FROM transactions"
+            " WHERE transaction_id = %(tx)s",
+            {"tx": tx, "reason": reason},
+        )
+    migrate.upgrade(url)
+    rows = db_conn.execute(
+        "SELECT transaction_id, doubt_since = created_at, doubt_since IS NULL"
+        " FROM transactions WHERE batch_pk = (SELECT id FROM batches WHERE batch_id = 'mig6')"
+    ).fetchall()
+    assert {r[0]: (r[1], r[2]) for r in rows} == {
+        "unresolved": (True, False),
+        "key-sent": (True, False),
+        "never": (None, True),
+    }
