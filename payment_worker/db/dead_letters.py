@@ -154,8 +154,14 @@ dl AS (
     RETURNING d.id
 ),
 reopened AS (
-    UPDATE batches b SET status = 'processing', completed_at = NULL, updated_at = now()
-    FROM tx WHERE b.id = tx.batch_pk AND b.status = 'completed'
+    -- the batch row is written whatever its status, so a completion running meanwhile either
+    -- wrote it first (this write waits for it and reopens what it completed) or completes
+    -- nothing (the row changed under it: db.work's _COMPLETE_WHERE)
+    UPDATE batches b SET
+        status = CASE WHEN b.status = 'completed' THEN 'processing' ELSE b.status END,
+        completed_at = CASE WHEN b.status = 'completed' THEN NULL ELSE b.completed_at END,
+        updated_at = now()
+    FROM tx WHERE b.id = tx.batch_pk
 )
 SELECT tx.id, tx.account_id, b.batch_id FROM tx JOIN batches b ON b.id = tx.batch_pk
 """)
@@ -266,11 +272,16 @@ dl AS (
     RETURNING d.id
 ),
 counts AS (
-    UPDATE batches b SET dead_count = b.dead_count - 1,
-        succeeded_count = b.succeeded_count + CASE WHEN :as_status = 'succeeded' THEN 1 ELSE 0 END,
-        failed_count = b.failed_count + CASE WHEN :as_status = 'failed' THEN 1 ELSE 0 END,
+    -- written whatever the batch's status, as the replay's reopened: a completion that read
+    -- the item dead either wrote first (its counts are moved along here) or completes nothing
+    UPDATE batches b SET
+        dead_count = b.dead_count - CASE WHEN b.status = 'completed' THEN 1 ELSE 0 END,
+        succeeded_count = b.succeeded_count
+            + CASE WHEN b.status = 'completed' AND :as_status = 'succeeded' THEN 1 ELSE 0 END,
+        failed_count = b.failed_count
+            + CASE WHEN b.status = 'completed' AND :as_status = 'failed' THEN 1 ELSE 0 END,
         updated_at = now()
-    FROM tx WHERE b.id = tx.batch_pk AND b.status = 'completed'
+    FROM tx WHERE b.id = tx.batch_pk
 )
 SELECT id FROM dl
 """)

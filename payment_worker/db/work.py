@@ -331,9 +331,14 @@ UPDATE batches b SET status = 'completed', completed_at = now(), updated_at = no
 """
 # the batches _COMPLETE_SET writes: those of the completable rows ``s``, fenced. The account's
 # condition bounds the read of batches whatever the statistics (on statistics that say every
-# batch is completed, the planner read all open batches)
+# batch is completed, the planner read all open batches). The last condition holds only
+# while the batch row is the version this statement's snapshot read: a replay or a resolve
+# of one of its items writes the row, and when that write commits after the snapshot (the
+# counts above read the item as dead), Postgres re-checks the conditions on the new version
+# and the completion leaves the batch alone (its item's next record, or the sweeper, ends it)
 _COMPLETE_WHERE = """WHERE b.id = s.batch_pk AND b.account_id = :acct AND b.status <> 'completed'
-      AND EXISTS (SELECT 1 FROM fence)"""
+      AND EXISTS (SELECT 1 FROM fence)
+      AND b.xmin = (SELECT seen.xmin FROM batches seen WHERE seen.id = b.id)"""
 
 _COMPLETE = Statement.of(f"""
 WITH {FENCE_CTE}
