@@ -102,23 +102,45 @@ def _complete(c: Connection) -> list[str]:
     return complete_batches(c, ACCT, 1)
 
 
+def _complete_around(
+    rt: runtime.Runtime, db_conn: psycopg.Connection[Any], meanwhile: Callable[[Connection], Any]
+) -> tuple[Any, Any]:
+    """The completion takes its snapshot, then waits for the fence row (a third connection
+    holds it) while ``meanwhile`` runs and commits; returns both answers, ``meanwhile``'s
+    first."""
+    with psycopg.connect(str(db_conn.info.dsn)) as holder:
+        holder.execute("SELECT 1 FROM account_fences WHERE account_id = %s FOR UPDATE", (ACCT,))
+        thread, done = _in_thread(_complete, rt)
+        wait_until(lambda: _waiting_on_a_lock(db_conn, done[1]), 10, "the completion to wait")
+        with rt.engine.connect() as c:
+            answer = meanwhile(c.execution_options(isolation_level="AUTOCOMMIT"))
+        holder.rollback()
+    thread.join(10)
+    return answer, done[0]
+
+
+def _after_a_completion(
+    rt: runtime.Runtime, db_conn: psycopg.Connection[Any], then: Callable[[Connection], Any]
+) -> Any:
+    """The completion writes, then ``then`` starts and waits for the batch row, then the
+    completion commits; returns ``then``'s answer."""
+    with rt.engine.connect() as completion:
+        assert _complete(completion)  # written, not committed yet
+        thread, done = _in_thread(then, rt)
+        wait_until(lambda: _waiting_on_a_lock(db_conn, done[1]), 10, "the second to wait")
+        completion.commit()
+    thread.join(10)
+    return done[0]
+
+
 def test_a_replay_committed_under_a_running_completion_leaves_the_batch_open(
     rt: runtime.Runtime, db_conn: psycopg.Connection[Any]
 ) -> None:
     """The completion reads the item dead, then the replay commits, then the completion
     writes: it completes nothing, and the batch stays open for its replayed item."""
     dl_id = _batch_with_a_dead_item(db_conn, "race-1")
-    with psycopg.connect(str(db_conn.info.dsn)) as holder:
-        # the completion's fence: it takes its snapshot, then waits for this lock
-        holder.execute("SELECT 1 FROM account_fences WHERE account_id = %s FOR UPDATE", (ACCT,))
-        thread, done = _in_thread(_complete, rt)
-        wait_until(lambda: _waiting_on_a_lock(db_conn, done[1]), 10, "the completion to wait")
-        with rt.engine.connect() as c:
-            c = c.execution_options(isolation_level="AUTOCOMMIT")
-            assert dlq.replay(c, dl_id, TRUST, "t").result == dlq.REPLAYED
-        holder.rollback()
-    thread.join(10)
-    assert done[0] == []
+    replay = _complete_around(rt, db_conn, lambda c: dlq.replay(c, dl_id, TRUST, "t").result)
+    assert replay == (dlq.REPLAYED, [])
     assert _batch(db_conn, "race-1")[:2] == ("processing", True)
 
 
@@ -128,13 +150,8 @@ def test_a_replay_after_an_uncommitted_completion_reopens_the_batch(
     """The completion writes first and commits while the replay waits for the batch row:
     the replay reopens the batch it completed."""
     dl_id = _batch_with_a_dead_item(db_conn, "race-2")
-    with rt.engine.connect() as completion:
-        assert complete_batches(completion, ACCT, 1) == ["race-2"]  # not committed yet
-        thread, done = _in_thread(lambda c: dlq.replay(c, dl_id, TRUST, "t").result, rt)
-        wait_until(lambda: _waiting_on_a_lock(db_conn, done[1]), 10, "the replay to wait")
-        completion.commit()
-    thread.join(10)
-    assert done[0] == dlq.REPLAYED
+    replay = _after_a_completion(rt, db_conn, lambda c: dlq.replay(c, dl_id, TRUST, "t").result)
+    assert replay == dlq.REPLAYED
     assert _batch(db_conn, "race-2")[:2] == ("processing", True)
 
 
@@ -144,16 +161,8 @@ def test_a_resolve_committed_under_a_running_completion_is_counted(
     """The completion reads the item dead, then the resolve commits: the completion writes
     nothing (the batch's next completion counts the resolved item as it is now)."""
     dl_id = _batch_with_a_dead_item(db_conn, "race-3")
-    with psycopg.connect(str(db_conn.info.dsn)) as holder:
-        holder.execute("SELECT 1 FROM account_fences WHERE account_id = %s FOR UPDATE", (ACCT,))
-        thread, done = _in_thread(_complete, rt)
-        wait_until(lambda: _waiting_on_a_lock(db_conn, done[1]), 10, "the completion to wait")
-        with rt.engine.connect() as c:
-            c = c.execution_options(isolation_level="AUTOCOMMIT")
-            assert dlq.resolve(c, dl_id, "succeeded", "paid", "oncall") == dlq.RESOLVED
-        holder.rollback()
-    thread.join(10)
-    assert done[0] == []
+    resolve = _complete_around(rt, db_conn, lambda c: dlq.resolve(c, dl_id, "succeeded", "p", "x"))
+    assert resolve == (dlq.RESOLVED, [])
     with rt.engine.connect() as c:
         c = c.execution_options(isolation_level="AUTOCOMMIT")
         assert _complete(c) == ["race-3"]
@@ -164,13 +173,6 @@ def test_a_resolve_after_an_uncommitted_completion_moves_its_counts(
     rt: runtime.Runtime, db_conn: psycopg.Connection[Any]
 ) -> None:
     dl_id = _batch_with_a_dead_item(db_conn, "race-4")
-    with rt.engine.connect() as completion:
-        assert complete_batches(completion, ACCT, 1) == ["race-4"]
-        thread, done = _in_thread(
-            lambda c: dlq.resolve(c, dl_id, "failed", "declined per gateway", "oncall"), rt
-        )
-        wait_until(lambda: _waiting_on_a_lock(db_conn, done[1]), 10, "the resolve to wait")
-        completion.commit()
-    thread.join(10)
-    assert done[0] == dlq.RESOLVED
+    resolve = lambda c: dlq.resolve(c, dl_id, "failed", "declined per gateway", "x")  # noqa: E731
+    assert _after_a_completion(rt, db_conn, resolve) == dlq.RESOLVED
     assert _batch(db_conn, "race-4") == ("completed", False, 1, 1, 0)
