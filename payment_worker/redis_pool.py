@@ -89,6 +89,24 @@ class ShardedConnectionPool(redis.ConnectionPool):
         else:
             pool.release(connection)
 
+    def open_idle(self, count: int) -> int:
+        """Open ``count`` connections now, dealt round robin over the sub-pools, and leave
+        them idle in their sub-pools; returns how many were opened.
+
+        Why: a connection costs a TCP connect, ``HELLO``, ``CLIENT SETINFO`` twice and
+        ``SELECT`` (about 1 ms of CPU). A fresh worker met by a burst of accounts opened a
+        hundred or more of them among its busy task threads; opened before its first task,
+        they cost the burst nothing (issue 13, docs/benchmarks.md, "Thirtieth session")."""
+        taken: list[tuple[redis.ConnectionPool, Any]] = []
+        try:
+            for i in range(count):
+                pool = self._shards[i % len(self._shards)]
+                taken.append((pool, pool.get_connection()))  # connected, and checked
+        finally:
+            for pool, conn in taken:
+                pool.release(conn)
+        return len(taken)
+
     def disconnect(self, inuse_connections: bool = True) -> None:
         """Disconnect every sub-pool's connections."""
         for pool in self._shards:

@@ -190,6 +190,10 @@ class Settings(BaseSettings):
     # task that finds none idle while messages arrive: a burst's messages are then taken
     # without a thread start each on the consumer's thread (issue 13's scenario 5)
     worker_prestart_threads: bool = True
+    # a worker that runs its tasks itself (threads, solo) opens its Postgres pool
+    # (DB_POOL_SIZE) and a Redis connection per 10 task slots once ready, instead of among
+    # the task threads of its first burst (issue 13's scenario 4)
+    worker_open_connections: bool = True
     # Celery's task events (task-sent/received/started/succeeded, as `-E` turns on): what Flower
     # and celery-exporter read. Off by default, as in Celery: with them a worker spent a third
     # more CPU per item in issue 13's scenario 5 (docs/benchmarks.md); compose turns them on

@@ -194,6 +194,24 @@ def make_engine(
     return engine
 
 
+def open_pool(engine: Engine) -> int:
+    """Open every connection of ``engine``'s pool now (its ``pool_size``), all checked out
+    at once and given back idle; returns how many the pool holds.
+
+    Why: a Postgres connection costs a backend process started and authenticated, about as
+    much as hundreds of statements; a fresh worker met by a burst of accounts opened its
+    pool among its busy task threads, where every statement waited for one."""
+    size = int(getattr(engine.pool, "size", lambda: 0)())
+    fairies: list[Any] = []
+    try:
+        for _ in range(size):
+            fairies.append(engine.raw_connection())
+    finally:
+        for fairy in fairies:
+            fairy.close()
+    return len(fairies)
+
+
 def autocommit(engine: Engine) -> Engine:
     """A view of ``engine`` (same pool, same budget) whose connections run in autocommit:
     each statement is its own transaction, with no BEGIN/COMMIT round trips (psycopg

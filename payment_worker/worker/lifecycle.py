@@ -56,8 +56,10 @@ from celery.signals import (
 )
 
 from payment_worker import runtime
+from payment_worker.db.engine import open_pool
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.open_files import files_needed, raise_open_files_limit
+from payment_worker.redis_pool import ShardedConnectionPool
 from payment_worker.worker.sweeper import SweeperThread
 
 log = get_logger("worker")
@@ -213,14 +215,40 @@ def prestart_threads(pool: Any) -> int | None:
     return len(threads)
 
 
+def open_connections(rt: runtime.Runtime, slots: int) -> tuple[int, int] | None:
+    """Open the process's Postgres pool and a Redis connection per 10 task ``slots`` (at
+    least one) now; returns how many of each, or None when a server did not answer (the
+    connections then open as the tasks need them, as they would have anyway).
+
+    Why: in a fresh worker met by a burst of accounts, the task threads opened both among
+    themselves, each connection about 1 ms of CPU with the cores already saturated: in
+    issue 13's scenario 4 the workers spent about a tenth less CPU per item with them opened
+    before the first task (docs/benchmarks.md, "Thirtieth session")."""
+    pool = rt.redis.connection_pool
+    try:
+        opened = (
+            pool.open_idle(max(1, slots // 10)) if isinstance(pool, ShardedConnectionPool) else 0
+        )
+        return opened, open_pool(rt.engine)
+    except Exception as exc:  # a server not up yet: the first tasks open what they need
+        log.warning("connections_not_opened", error=f"{type(exc).__name__}: {exc}"[:300])
+        return None
+
+
 def _worker_ready(sender: Any = None, **_: Any) -> None:
     pool = getattr(sender, "pool", None)
     if not _runs_tasks_here(pool):
         return  # prefork: the children are ready on their own (worker_process_init)
-    if runtime.current().settings.worker_prestart_threads:
+    settings = runtime.current().settings
+    if settings.worker_prestart_threads:
         started = prestart_threads(pool)
         if started is not None:
             log.info("threads_prestarted", threads=started)
+    if settings.worker_open_connections:
+        slots = int(getattr(pool, "limit", None) or 1)
+        opened = open_connections(runtime.current(), slots)
+        if opened is not None:
+            log.info("connections_opened", redis=opened[0], postgres=opened[1])
     _child_started()
 
 

@@ -184,3 +184,42 @@ def test_more_threads_in_redis_at_once_than_a_plain_pool_allows(pw_env: PwEnv) -
     assert errors == []
     client.close()
     plain.close()
+
+
+def test_connections_opened_ahead_serve_the_threads_without_a_connect(pw_env: PwEnv) -> None:
+    """A fresh worker opens its connections before its first burst (open_idle): they are
+    dealt over the sub-pools, idle, and the burst's threads use them, opening none."""
+    client = sharded_client(pw_env.redis_url, client_name="pw-pool-ahead", shards=4)
+    admin = redis.Redis.from_url(pw_env.redis_url)
+    pool = client.connection_pool
+    assert isinstance(pool, ShardedConnectionPool)
+    try:
+        assert pool.open_idle(10) == 10
+        ahead = _client_ids(admin, "pw-pool-ahead")
+        assert len(ahead) == 10
+        # 3, 3, 2, 2 idle in the four sub-pools, none lent out
+        assert sorted(len(p._available_connections) for p in pool._shards) == [2, 2, 3, 3]
+        assert all(not p._in_use_connections for p in pool._shards)
+        # eight threads at once, two per sub-pool: each finds an idle connection
+        gate = threading.Barrier(8)
+
+        def burst() -> None:
+            gate.wait()
+            client.ping()
+
+        threads = [threading.Thread(target=burst) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert _client_ids(admin, "pw-pool-ahead") == ahead
+    finally:
+        client.close()
+        admin.close()
+
+
+def test_opening_ahead_against_no_server_raises_and_keeps_nothing(pw_env: PwEnv) -> None:
+    pool = ShardedConnectionPool.from_url("redis://127.0.0.1:1/0", shards=2)
+    with pytest.raises(redis.ConnectionError):
+        pool.open_idle(4)
+    assert all(not p._in_use_connections for p in pool._shards)
