@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.pool import QueuePool
 
 from payment_worker.db.retry import plan_changed
 
@@ -201,10 +202,10 @@ def open_pool(engine: Engine) -> int:
     Why: a Postgres connection costs a backend process started and authenticated, about as
     much as hundreds of statements; a fresh worker met by a burst of accounts opened its
     pool among its busy task threads, where every statement waited for one."""
-    size = int(getattr(engine.pool, "size", lambda: 0)())
+    pool = engine.pool
     fairies: list[Any] = []
     try:
-        for _ in range(size):
+        for _ in range(pool.size() if isinstance(pool, QueuePool) else 0):
             fairies.append(engine.raw_connection())
     finally:
         for fairy in fairies:

@@ -57,6 +57,7 @@ from celery.signals import (
 
 from payment_worker import runtime
 from payment_worker.db.engine import open_pool
+from payment_worker.db.retry import short_error
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.open_files import files_needed, raise_open_files_limit
 from payment_worker.redis_pool import ShardedConnectionPool
@@ -231,7 +232,8 @@ def open_connections(rt: runtime.Runtime, slots: int) -> tuple[int, int] | None:
         )
         return opened, open_pool(rt.engine)
     except Exception as exc:  # a server not up yet: the first tasks open what they need
-        log.warning("connections_not_opened", error=f"{type(exc).__name__}: {exc}"[:300])
+        # the first line only: SQLAlchemy's errors go on with a link to its docs
+        log.warning("connections_not_opened", error=f"{type(exc).__name__}: {short_error(exc)}")
         return None
 
 
@@ -239,14 +241,13 @@ def _worker_ready(sender: Any = None, **_: Any) -> None:
     pool = getattr(sender, "pool", None)
     if not _runs_tasks_here(pool):
         return  # prefork: the children are ready on their own (worker_process_init)
-    settings = runtime.current().settings
-    if settings.worker_prestart_threads:
+    rt = runtime.current()
+    if rt.settings.worker_prestart_threads:
         started = prestart_threads(pool)
         if started is not None:
             log.info("threads_prestarted", threads=started)
-    if settings.worker_open_connections:
-        slots = int(getattr(pool, "limit", None) or 1)
-        opened = open_connections(runtime.current(), slots)
+    if rt.settings.worker_open_connections:
+        opened = open_connections(rt, int(getattr(pool, "limit", None) or 1))
         if opened is not None:
             log.info("connections_opened", redis=opened[0], postgres=opened[1])
     _child_started()
