@@ -153,7 +153,8 @@ def gateway_sim(
 
     sim = _gateway_sim_process
     defaults = SimConfig().as_dict()
-    sim.configure(**defaults)
+    # the secret too (as_dict leaves it out): a test that rotated it must not leak into the next
+    sim.configure(**defaults, secret=SimConfig().secret)
     sim.reset()
     monkeypatch.setenv("GATEWAY_URL", sim.url)
     runtime.reset()
