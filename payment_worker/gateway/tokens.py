@@ -53,6 +53,17 @@ log = get_logger("gateway.tokens")
 # a process-local copy of a token is dropped this long before the token comes due
 _LOCAL_MARGIN_MS = 100
 
+# A token request that got no token pauses the account's token requests in this process:
+# 1 s, doubled with each failure in a row up to 30 s, longer when the answer's Retry-After
+# says so (within 30 s). Every payment or lookup of the account meanwhile is "not sent",
+# due again when the pause ends. Without it each item of a chunk asked again at once: one
+# holder sent about 400 token requests a second for an account whose credentials the
+# gateway refused.
+_PAUSE_FIRST = 1.0
+_PAUSE_MAX = 30.0
+#: the reason of a result returned during such a pause (its error names the failure)
+TOKEN_PAUSED = "token_paused"
+
 # read the token and take the refresh lock in one step; store a token (and release the lock)
 # only while holding it; release the lock when nothing was stored. All owner-checked.
 _CLAIM = lua.load("token_claim")
@@ -111,6 +122,16 @@ class SentRequest:
 TokenSender = Callable[[str], SentRequest]
 
 
+@dataclass(frozen=True, slots=True)
+class _Pause:
+    """Token requests of an account paused after ``failures`` failed ones in a row, until
+    ``until`` (time.monotonic()); ``error`` is the last failure's."""
+
+    until: float
+    failures: int
+    error: str
+
+
 @dataclass(slots=True)
 class _Started:
     """A refresh lock the holder's start took: its owner value, and the token request sent
@@ -166,6 +187,8 @@ class TokenManager:
         # not yet used: the next get() refreshes under it, reading the answer of the token
         # request already sent under it, if any
         self._started: dict[str, _Started] = {}
+        # account -> its token requests paused after a failure (see _PAUSE_FIRST)
+        self._paused: dict[str, _Pause] = {}
 
     # --- keys ---------------------------------------------------------------------------
     def token_key(self, account_id: str) -> str:
@@ -206,6 +229,8 @@ class TokenManager:
         hit = self._local.get(account_id)
         if hit is not None and time.monotonic() < hit[1]:
             return None
+        if self._pause_left(account_id) > 0:
+            return None  # no refresh lock taken, no request sent early: get() answers
         return secrets.token_hex(12), self._lock_ttl_ms
 
     def started(self, account_id: str, owner: str, reply: Sequence[Any]) -> None:
@@ -255,6 +280,15 @@ class TokenManager:
             hit = self._local.get(account_id)
             if hit is not None and time.monotonic() < hit[1]:
                 return hit[0]
+        paused = self._paused_result(account_id)
+        if paused is not None:
+            # no request now; another process may have stored a token meanwhile
+            cur = None if rejected is not None else self.cached(account_id)
+            if cur is None:
+                return paused
+            self._paused.pop(account_id, None)
+            return cur.token
+        if rejected is None:
             started = self._started.pop(account_id, None)
             if started is not None:
                 # the lock holder's start took the refresh lock: no second read, and
@@ -278,6 +312,35 @@ class TokenManager:
             if time.monotonic() >= deadline:
                 return not_sent("token_wait_timeout", "timed out waiting for a token refresh")
             time.sleep(self._poll)
+
+    # --- pauses after a failed token request ---------------------------------------------
+    def _pause_left(self, account_id: str) -> float:
+        pause = self._paused.get(account_id)
+        return 0.0 if pause is None else pause.until - time.monotonic()
+
+    def _paused_result(self, account_id: str) -> GatewayResult | None:
+        """The not-sent answer while the account's token requests are paused, else None."""
+        pause = self._paused.get(account_id)
+        if pause is None:
+            return None
+        left = pause.until - time.monotonic()
+        if left <= 0:
+            return None  # over; the failure count stays until a token is had
+        return not_sent(
+            TOKEN_PAUSED,
+            f"token requests paused for {left:.1f}s more after: {pause.error}",
+            retry_after=left,
+        )
+
+    def _pause(self, account_id: str, failed: GatewayResult) -> None:
+        """A token request got no token: pause the account's next ones (see _PAUSE_FIRST)."""
+        before = self._paused.get(account_id)
+        failures = 1 if before is None else before.failures + 1
+        seconds = min(_PAUSE_FIRST * 2 ** min(failures - 1, 16), _PAUSE_MAX)
+        seconds = min(max(seconds, failed.retry_after or 0.0), _PAUSE_MAX)
+        error = failed.error or failed.error_class
+        self._paused[account_id] = _Pause(time.monotonic() + seconds, failures, error)
+        log.info("token_requests_paused", account_id=account_id, seconds=seconds, failures=failures)
 
     # --- internals ----------------------------------------------------------------------
     def _refresh_owned(
@@ -323,12 +386,17 @@ class TokenManager:
             res = classify_transport_error(exc)
             log.warning("token_refresh_failed", account_id=account_id, error=res.error)
             # whatever happened at the gateway, no payment was sent: retry later
-            return not_sent(f"token_{res.reason}", f"token request: {res.error}"), False
+            failed = not_sent(f"token_{res.reason}", f"token request: {res.error}")
+            self._pause(account_id, failed)
+            return failed, False
         token, expires_in = _parse_token(resp)
         if token is None or expires_in is None:
             GATEWAY_TOKEN_REFRESHES.labels(result=f"http_{resp.status_code}").inc()
-            return _token_failure(resp), False
+            failed = _token_failure(resp)
+            self._pause(account_id, failed)
+            return failed, False
         GATEWAY_TOKEN_REFRESHES.labels(result="ok").inc()
+        self._paused.pop(account_id, None)
         lifetime_ms = int(expires_in * 1000)
         # the gateway's clock started at or after t0; a small margin covers request transit
         margin_ms = min(200, lifetime_ms // 50)

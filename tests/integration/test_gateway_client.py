@@ -15,6 +15,7 @@ from pydantic import SecretStr
 
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.gateway import GatewayClient, Outcome
+from payment_worker.gateway.tokens import TOKEN_PAUSED
 from payment_worker.settings import Settings
 from tests.conftest import PwEnv
 from tests.sim_fixtures import SimHandle, gateway_client
@@ -132,12 +133,19 @@ def test_a_refused_token_request_sends_nothing_and_says_why(
     assert (limited.outcome, limited.http_status, limited.sent) == (Outcome.RETRY, 429, False)
     assert limited.retry_after == 3.0
     assert limited.reason.startswith("token_") and "HTTP 429" in (limited.error or "")
+    # the account's token requests now wait out the Retry-After: nothing is asked meanwhile
+    paused = create(client, tx())
+    assert (paused.outcome, paused.reason, paused.sent) == (Outcome.RETRY, TOKEN_PAUSED, False)
+    assert paused.retry_after is not None and 2.5 < paused.retry_after <= 3.0
+    assert gateway_sim.statuses(ACCT, "token") == [429]
+    time.sleep(paused.retry_after + 0.05)
     gateway_sim.script(ACCT, {"fault": "503", "endpoint": "token"})
     down = create(client, tx())
     assert (down.outcome, down.http_status, down.sent) == (Outcome.RETRY, 503, False)
     assert down.reason == "token_service_unavailable", down.reason
     assert gateway_sim.ledger()["payments_sent"] == 0
-    # and the next request gets a token and pays
+    # and once its pause is over (2 s: the second failure in a row), a token and a payment
+    time.sleep(2.05)
     assert create(client, tx()).outcome is Outcome.SUCCEEDED
 
 

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from payment_worker.domain.payment_request import PaymentRequest
-from payment_worker.gateway import GatewayClient, Outcome
-from payment_worker.gateway.tokens import TokenManager
+from payment_worker.gateway import GatewayClient, GatewayResult, Outcome
+from payment_worker.gateway.tokens import TOKEN_PAUSED, TokenManager
 from payment_worker.settings import Settings
 from tests.conftest import PwEnv
 from tests.sim_fixtures import SimHandle, gateway_client, run_bursts
@@ -260,4 +260,48 @@ def test_a_failed_refresh_releases_the_lock_at_once(
     failed = mgr.get(ACCT)
     assert not isinstance(failed, str)
     assert redis_client.get(mgr.lock_key(ACCT)) is None  # not left for its 30 s TTL
-    assert isinstance(mgr.get(ACCT), str)  # the next caller refreshes at once
+    # another process refreshes at once (this one pauses its own requests: below)
+    other = _manager(redis_client, gateway_sim.url, lock_ttl=30.0)
+    assert isinstance(other.get(ACCT), str)
+
+
+def test_a_failed_token_request_pauses_the_processs_requests_of_that_account(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    """No token: the account's next token requests in this process wait 1 s, then 2 s (a
+    failure in a row), answered "not sent" meanwhile without a request; a token another
+    process stored meanwhile is used at once, and ends the pause."""
+    gateway_sim.script(ACCT, *[{"fault": "503", "endpoint": "token"}] * 2)
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    first = mgr.get(ACCT)
+    assert isinstance(first, GatewayResult) and first.http_status == 503 and not first.sent
+    paused = mgr.get(ACCT)
+    assert isinstance(paused, GatewayResult) and paused.reason == TOKEN_PAUSED
+    assert not paused.sent and paused.outcome is Outcome.RETRY
+    assert paused.retry_after is not None and 0.8 < paused.retry_after <= 1.0
+    assert paused.error is not None and "HTTP 503" in paused.error  # the failure it follows
+    assert gateway_sim.statuses(ACCT, "token") == [503]  # nothing asked during the pause
+    time.sleep(paused.retry_after + 0.02)
+    second = mgr.get(ACCT)  # asked again: refused again, so the next pause is 2 s
+    assert isinstance(second, GatewayResult) and second.http_status == 503
+    again = mgr.get(ACCT)
+    assert isinstance(again, GatewayResult) and again.retry_after is not None
+    assert 1.8 < again.retry_after <= 2.0
+    assert gateway_sim.statuses(ACCT, "token") == [503, 503]
+    # another process gets a token (the faults are spent): this one reads it, pause or not
+    token = _manager(redis_client, gateway_sim.url, lock_ttl=5.0).get(ACCT)
+    assert isinstance(token, str)
+    assert mgr.get(ACCT) == token
+    assert gateway_sim.statuses(ACCT, "token") == [503, 503, 200]
+
+
+def test_a_token_refusals_retry_after_lengthens_the_pause(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    gateway_sim.script(ACCT, {"fault": "429", "endpoint": "token", "retry_after": 3})
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    refused = mgr.get(ACCT)
+    assert isinstance(refused, GatewayResult) and refused.http_status == 429
+    paused = mgr.get(ACCT)
+    assert isinstance(paused, GatewayResult) and paused.reason == TOKEN_PAUSED
+    assert paused.retry_after is not None and 2.8 < paused.retry_after <= 3.0
