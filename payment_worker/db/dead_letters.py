@@ -130,14 +130,15 @@ def known_reasons(conn: Connection) -> set[str]:
 
 # One statement: the transaction goes back from dead to unknown (looked up first under its
 # original key by the next holder, sent again only on a 404 within the key trust), due now,
-# with a fresh attempt budget, its doubt_since kept; the dead letter counts the replay; a
+# with a fresh attempt budget, its doubt_since kept (its unsent_since cleared: a replay is a
+# fresh start, not a stall); the dead letter counts the replay; a
 # completed batch is reopened so that its counts are written again when it completes.
 # Nothing changes unless the transaction is still dead, this dead letter is its open one, and
 # no send of it has been in doubt for longer than the key trust.
 _REPLAY = text(f"""
 WITH tx AS (
     UPDATE transactions t SET status = 'unknown', attempts = 0, next_attempt_at = now(),
-        updated_at = now()
+        unsent_since = NULL, updated_at = now()
     FROM dead_letters d
     WHERE d.id = :id AND d.transaction_pk = t.id AND d.resolved_at IS NULL
       AND t.status = 'dead' AND d.reason IN ({_REPLAYABLE})

@@ -109,6 +109,9 @@ transactions = Table(
     Column("dispatched_at", DateTime(timezone=True)),
     # the oldest send whose outcome is not known; NULL when nothing is in doubt
     Column("doubt_since", DateTime(timezone=True)),
+    # the first step since the last request left that ended with nothing reaching the
+    # gateway (such a step uses up no attempt); NULL once one leaves and on terminal rows
+    Column("unsent_since", DateTime(timezone=True)),
     UniqueConstraint("account_id", "transaction_id", name="transactions_account_tx_key"),
     CheckConstraint("amount > 0", name="transactions_amount_check"),
     CheckConstraint(_in("status", TxStatus), name="transactions_status_check"),

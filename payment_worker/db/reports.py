@@ -42,8 +42,8 @@ _DEAD_LETTER_TOTALS = text(
     " AS oldest_open FROM dead_letters GROUP BY reason"
 )
 # open transactions in one pass, spelled like the predicate of the partial indexes on them:
-# in doubt (unknown; its clock is doubt_since), the oldest pending, the oldest of all, and
-# the accounts that have any
+# in doubt (unknown; its clock is doubt_since), the oldest pending, the oldest of all, the
+# accounts that have any, and those retried in vain (unsent_since: no request has left)
 _OPEN_WORK = text(
     "SELECT count(*) FILTER (WHERE status = 'unknown') AS in_doubt,"
     " coalesce(extract(epoch FROM now() - min(coalesce(doubt_since, updated_at))"
@@ -51,7 +51,9 @@ _OPEN_WORK = text(
     " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)"
     " AS oldest_pending,"
     " coalesce(extract(epoch FROM now() - min(created_at)), 0) AS oldest_open,"
-    " count(DISTINCT account_id) AS accounts"
+    " count(DISTINCT account_id) AS accounts,"
+    " coalesce(extract(epoch FROM now() - min(unsent_since)), 0) AS oldest_unsent,"
+    " count(DISTINCT account_id) FILTER (WHERE unsent_since IS NOT NULL) AS accounts_unsent"
     f" FROM transactions WHERE {OPEN_TX_PREDICATE}"
 )
 
@@ -93,6 +95,10 @@ class StateSnapshot:
     oldest_in_doubt_age: float = 0.0  # since its oldest send in doubt (doubt_since)
     oldest_pending_age: float = 0.0  # the oldest transaction never sent, since created
     accounts_waiting: int = 0  # accounts with at least one non-terminal transaction
+    # the oldest first step, since its last request left, of a transaction whose steps have
+    # all ended with nothing reaching the gateway (unsent_since); and the accounts with any
+    oldest_unsent_age: float = 0.0
+    accounts_unsent: int = 0
     # per reason: dead letters open, replayed (replays counted), resolved
     dead_letters_open: dict[str, int] = field(default_factory=dict)
     dead_letters_replayed: dict[str, int] = field(default_factory=dict)
@@ -117,6 +123,8 @@ def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnaps
         oldest_in_doubt_age=float(work.oldest_in_doubt),
         oldest_pending_age=float(work.oldest_pending),
         accounts_waiting=int(work.accounts),
+        oldest_unsent_age=float(work.oldest_unsent),
+        accounts_unsent=int(work.accounts_unsent),
         dead_letters_open={str(r.reason): int(r.open) for r in totals if r.open},
         dead_letters_replayed={str(r.reason): int(r.replayed) for r in totals},
         dead_letters_resolved={str(r.reason): int(r.resolved) for r in totals},

@@ -23,7 +23,6 @@ from payment_worker.db.fences import FENCE_CTE, NEXT_FENCE_CTE, execute_fenced, 
 from payment_worker.db.models import OPEN_TX_PREDICATE, sql_values
 from payment_worker.domain.statuses import (
     IN_DOUBT_TX_STATUSES,
-    OPEN_TX_STATUSES,
     SENDABLE_TX_STATUSES,
     TERMINAL_TX_STATUSES,
     TxStatus,
@@ -75,7 +74,6 @@ class Claim(list[ClaimedItem]):
 
 
 # the status lists of the statements below, rendered once
-_OPEN = sql_values(OPEN_TX_STATUSES)
 _IN_DOUBT = sql_values(IN_DOUBT_TX_STATUSES)
 _SENDABLE = sql_values(SENDABLE_TX_STATUSES)
 _TERMINAL = sql_values(TERMINAL_TX_STATUSES)
@@ -197,9 +195,9 @@ _RECORD_CTES = f"""
 WITH {FENCE_CTE},
 v AS (
     SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(
-        id bigint, status text, attempts int, lookups int, delay double precision,
+        id bigint, status text, attempts int, lookups int, delay float8,
         payment_id text, error_class text, error text, key_status text, dead_reason text,
-        doubt text)
+        doubt text, unsent bool)
 ),
 upd AS (
     UPDATE transactions t SET
@@ -210,6 +208,9 @@ upd AS (
             WHEN 'reset' THEN t.dispatched_at
             WHEN 'clear' THEN NULL
             ELSE t.doubt_since END,
+        -- retried in vain since this record or an earlier one (the first step of the item
+        -- that reached nothing since one last did); NULL once a request left, and when final
+        unsent_since = CASE WHEN v.unsent THEN COALESCE(t.unsent_since, now()) END,
         next_attempt_at = now() + make_interval(secs => v.delay),
         gateway_payment_id = COALESCE(v.payment_id, t.gateway_payment_id),
         last_error_class = v.error_class, last_error = v.error,
@@ -274,6 +275,7 @@ def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
         "key_status": d.key_status,
         "dead_reason": d.dead_reason,
         "doubt": d.doubt,
+        "unsent": o.unsent,
     }
 
 
@@ -404,7 +406,7 @@ done AS (
 )
 SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fenced_ok,
        ARRAY(SELECT batch_id FROM done) AS completed,
-       (SELECT min(next_attempt_at) FROM cur WHERE status IN ({_OPEN})) AS due, now() AS now
+       (SELECT min(next_attempt_at) FROM cur WHERE status NOT IN ({_TERMINAL})) AS due, now() AS now
 """)
 
 

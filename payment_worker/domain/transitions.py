@@ -83,6 +83,16 @@ class ItemOutcome:
     attempts: int  # sends that reached the gateway, this step's included
     lookups: int  # lookups that reached the gateway, this step's included
     decision: Decision
+    # whether a request of this step (a send or a lookup) reached the gateway. A step that
+    # reached nothing uses up nothing, so an open item's ``unsent_since`` dates how long it
+    # has been retried in vain; an item given back untouched at a shutdown counts as such
+    # (a stall is never hidden; the next holder's send clears it)
+    reached: bool = False
+
+    @property
+    def unsent(self) -> bool:
+        """True when the item stays open and nothing of this step reached the gateway."""
+        return not self.reached and not self.decision.terminal
 
 
 def _final(result: GatewayResult) -> Decision | None:

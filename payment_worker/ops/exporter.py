@@ -124,6 +124,17 @@ def _postgres(engine: Engine) -> Iterator[Metric]:
         "Accounts with at least one transaction not in a terminal state.",
         state.accounts_waiting,
     )
+    yield _gauge(
+        "payment_worker_oldest_unsent_age_seconds",
+        "Time since the first of an open transaction's steps that have all ended with no"
+        " request reaching the gateway (token refused, Redis out of reach, paced; 0 if none).",
+        state.oldest_unsent_age,
+    )
+    yield _gauge(
+        "payment_worker_accounts_unsent",
+        "Accounts with an open transaction whose latest steps reached nothing at the gateway.",
+        state.accounts_unsent,
+    )
     yield _labelled(
         GaugeMetricFamily,
         "payment_worker_dead_letters_open",

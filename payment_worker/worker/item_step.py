@@ -50,6 +50,7 @@ def step_item(gateway: Gateway, policy: Policy, guard: Guard, item: ClaimedItem)
         )
         return ItemOutcome(item.id, attempts, lookups, d)
     cleared = False  # a lookup of this step proved the earlier sends never applied
+    reached = False  # a request of this step reached the gateway
     # the guard (ensure_held(), then progress) runs inside the client right before each
     # send, after any token or pacing wait; held: this holder is the account's only
     # sender, so its pacing goes on past a lease without a round trip
@@ -58,6 +59,7 @@ def step_item(gateway: Gateway, policy: Policy, guard: Guard, item: ClaimedItem)
             item.account_id, item.idempotency_key, guard=guard, held=True
         )
         lookups += found.sent  # a lookup that never left uses up nothing
+        reached = found.sent
         LOOKUPS.labels(found.outcome.value).inc()
         log.info(
             "in_doubt_lookup",
@@ -74,7 +76,7 @@ def step_item(gateway: Gateway, policy: Policy, guard: Guard, item: ClaimedItem)
             policy=policy,
         )
         if not d.send_now:
-            return ItemOutcome(item.id, attempts, lookups, d)
+            return ItemOutcome(item.id, attempts, lookups, d, reached)
         cleared = True
         attempts += 1  # never applied: send again under the same key
     result = gateway.create_payment(
@@ -82,6 +84,7 @@ def step_item(gateway: Gateway, policy: Policy, guard: Guard, item: ClaimedItem)
     )
     if not result.sent:
         attempts -= 1  # counted at the claim (or above), but nothing left
+    reached = reached or result.sent
     if result.outcome is Outcome.CONFLICT:
         # 422: the gateway holds an answer under this key; what it holds decides
         found = gateway.lookup_payment(
@@ -91,9 +94,9 @@ def step_item(gateway: Gateway, policy: Policy, guard: Guard, item: ClaimedItem)
         LOOKUPS.labels(found.outcome.value).inc()
         log.info("key_conflict_lookup", outcome=found.outcome.value, sent=found.sent)
         d = after_conflict(found, request, lookups=lookups, doubt_age=item.doubt_age, policy=policy)
-        return ItemOutcome(item.id, attempts, lookups, d)
+        return ItemOutcome(item.id, attempts, lookups, d, reached)
     d = after_send(result, attempts=attempts, lookups=lookups, policy=policy, cleared=cleared)
-    return ItemOutcome(item.id, attempts, lookups, d)
+    return ItemOutcome(item.id, attempts, lookups, d, reached)
 
 
 def log_outcome(d: Decision) -> None:

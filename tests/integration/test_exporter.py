@@ -50,7 +50,8 @@ def _args(port: int) -> list[str]:
 
 def _seed(conn: psycopg.Connection[Any]) -> None:
     """Two batches; transactions in five states, one open for an hour, one in doubt for 20
-    minutes; one open dead letter and one resolved."""
+    minutes, one retried in vain for 25 minutes (and a terminal one whose date is ignored);
+    one open dead letter and one resolved."""
     conn.execute(
         "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
         " VALUES ('b1', 'acct-1', 'f1', 'processing', 5), ('b2', 'acct-2', 'f2', 'completed', 2)"
@@ -75,6 +76,11 @@ def _seed(conn: psycopg.Connection[Any]) -> None:
     conn.execute(
         "UPDATE transactions SET doubt_since = now() - interval '20 minutes'"
         " WHERE transaction_id = 't3'"
+    )
+    conn.execute(
+        "UPDATE transactions SET unsent_since = now() - CASE transaction_id"
+        " WHEN 't5' THEN interval '25 minutes' ELSE interval '2 hours' END"
+        " WHERE transaction_id IN ('t4', 't5') AND account_id = 'acct-1'"
     )
     conn.execute(
         "INSERT INTO dead_letters (transaction_pk, reason, resolved_at)"
@@ -148,6 +154,9 @@ def test_exporter_serves_state_from_postgres(
     assert 1200 <= m[("payment_worker_oldest_in_doubt_age_seconds", ())] < 1300
     assert 3600 <= m[("payment_worker_oldest_pending_age_seconds", ())] < 3700
     assert m[("payment_worker_accounts_waiting", ())] == 1  # acct-2 has nothing open
+    # retried in vain: the open t5 (25 min); the dead t4's two hours are not counted
+    assert 1500 <= m[("payment_worker_oldest_unsent_age_seconds", ())] < 1600
+    assert m[("payment_worker_accounts_unsent", ())] == 1
     assert (
         m[("payment_worker_dead_letters_replayed_total", (("reason", "retries_exhausted"),))] == 0
     )
@@ -164,6 +173,8 @@ def test_exporter_serves_state_from_postgres(
     assert after[("payment_worker_accounts_waiting", ())] == 0
     assert after[("payment_worker_in_doubt_transactions", ())] == 0
     assert after[("payment_worker_oldest_in_doubt_age_seconds", ())] == 0
+    assert after[("payment_worker_oldest_unsent_age_seconds", ())] == 0
+    assert after[("payment_worker_accounts_unsent", ())] == 0
 
 
 def _sources(db_url: str, pw_env: PwEnv) -> Sources:

@@ -30,6 +30,7 @@ ALERT_NAMES = {
     "PaymentQueueBackingUp",
     "PaymentNoProgress",
     "PaymentInDoubtTooOld",
+    "PaymentAccountStalled",  # added with transactions.unsent_since (migration 0007)
     "PaymentDeadLettersOpened",
     "PaymentFencingRejections",
     "PaymentLockLost",
