@@ -73,7 +73,7 @@ def test_items_whose_token_is_refused_are_dated_until_a_request_leaves(
 ) -> None:
     stuck, healthy = submit_accounts(2, 2, "unsent")
     account = stuck["account_id"]
-    gateway_sim.script(account, *[REFUSED] * 100)  # more refusals than two runs ask for
+    gateway_sim.script(account, *[REFUSED] * 100)  # refused however often it asks
 
     assert drain.run_account(account, stuck["batch_id"], res).result == "processed"
     first = _rows(db_conn, account)
@@ -94,7 +94,8 @@ def test_items_whose_token_is_refused_are_dated_until_a_request_leaves(
     assert seen.accounts_unsent == 1 and seen.accounts_waiting == 1
     assert seen.oldest_unsent_age > 0
 
-    # refused again: the first date stays, the claim's moved on
+    # nothing leaves again (its token requests paused): the first date stays, the claim's
+    # moved on
     time.sleep(0.05)
     _due_now(db_conn, account)
     drain.run_account(account, stuck["batch_id"], res)
