@@ -34,7 +34,9 @@ each worker gets its own PGAPPNAME); Postgres transactions per item
 transaction; read once the workers have stopped and their backends exited, since an idle
 backend publishes its counts only 10 s after its last statement); Redis commands per item
 (INFO commandstats, app + broker); CPU microseconds per item by process kind; double
-payments from the simulator's ledger (must be 0); for the latency scenarios the bound
+payments from the simulator's ledger (must be 0); the workers' liveness lapses and locks
+lost, every run (a lapse gives up every lock of its process at once: such a run is slow for
+that reason, not for its code); for the latency scenarios the bound
 min(accounts / latency, scenario 1's rate in the same run).
 ``PW_BENCH_SERIES=1`` also prints each run's samples (messages waiting / accounts in flight,
 every 0.2 s): whether the accounts or the intake were the limit. The task executions of
@@ -236,6 +238,9 @@ def _xacts_after_workers(cluster: Any, conn: Any, db_url: str) -> int:
 
 
 def _scrape(port: int) -> dict[str, float]:
+    """A worker's task executions by result, and (keys ``_lapses`` and ``_locks_lost``) its
+    liveness lapses and the locks it lost: a run slowed by a lapse (every lock of the
+    process given up at once) says so."""
     import httpx
 
     out: dict[str, float] = {}
@@ -246,6 +251,13 @@ def _scrape(port: int) -> dict[str, float]:
     pattern = r'^payment_worker_task_executions_total\{result="(\w+)"\} ([0-9.e+]+)$'
     for m in re.finditer(pattern, text, re.M):
         out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    for key, name in (
+        ("_lapses", "payment_worker_liveness_lapses_total"),
+        ("_locks_lost", "payment_worker_lock_lost_total"),
+    ):
+        out[key] = sum(
+            float(m.group(1)) for m in re.finditer(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+        )
     return out
 
 
@@ -496,8 +508,11 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
             _wait_ready(ports)  # every /metrics up (they are, by now) before the scrape
             execs: dict[str, float] = {}
             per_worker: list[int] = []  # task executions of each worker process: the balance
+            lapses = locks_lost = 0
             for port in ports:
                 scraped = _scrape(port)
+                lapses += int(scraped.pop("_lapses", 0))
+                locks_lost += int(scraped.pop("_locks_lost", 0))
                 per_worker.append(int(sum(scraped.values())))
                 for k, v in scraped.items():
                     execs[k] = execs.get(k, 0.0) + v
@@ -542,6 +557,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         "extra_sends": int(extra_sends or 0),
         "execs": {k: int(v) for k, v in sorted(execs.items()) if v},
         "lookups": int(lookups or 0),
+        "lapses": lapses,
+        "locks_lost": locks_lost,
         # Redis commands per item by command (the sampler's own few included)
         "redis_by_cmd": {
             k: (n - by0.get(k, 0)) / total
@@ -561,6 +578,7 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(ordered[(len(ordered) - 1) // 2])
     out["all_rates"] = [r["items_per_s"] for r in runs]
     out["all_peaks"] = [r["in_flight_peak"] for r in runs]
+    out["all_lapses"] = [(r["lapses"], r["locks_lost"]) for r in runs]
     out["double"] = sum(r["double"] for r in runs)
     return out
 
@@ -684,6 +702,14 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
         + "; ".join(f"{r['num']}: {r['execs_by_worker']}" for r in rows)
         + ". Sends beyond one per item, and lookups: "
         + "; ".join(f"{r['num']}: {r['extra_sends']:,}, {r['lookups']:,}" for r in rows)
+        + ". Liveness lapses / locks lost, every run: "
+        + "; ".join(
+            f"{r['num']}: "
+            + ", ".join(
+                f"{a} / {b:,}" for a, b in r.get("all_lapses", [(r["lapses"], r["locks_lost"])])
+            )
+            for r in rows
+        )
         + "."
     )
     return "\n".join(lines)
