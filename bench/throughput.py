@@ -34,9 +34,10 @@ each worker gets its own PGAPPNAME); Postgres transactions per item
 transaction; read once the workers have stopped and their backends exited, since an idle
 backend publishes its counts only 10 s after its last statement); Redis commands per item
 (INFO commandstats, app + broker); CPU microseconds per item by process kind; double
-payments from the simulator's ledger (must be 0); the workers' liveness lapses and locks
-lost, every run (a lapse gives up every lock of its process at once: such a run is slow for
-that reason, not for its code); for the latency scenarios the bound
+payments from the simulator's ledger (must be 0); the workers' liveness lapses, locks lost
+and heartbeat gaps over 1 s with the bucket bound of the longest, every run (a lapse gives up
+every lock of its process at once: such a run is slow for that reason, not for its code);
+for the latency scenarios the bound
 min(accounts / latency, scenario 1's rate in the same run).
 ``PW_BENCH_SERIES=1`` also prints each run's samples (messages waiting / accounts in flight,
 every 0.2 s): whether the accounts or the intake were the limit. The task executions of
@@ -238,9 +239,10 @@ def _xacts_after_workers(cluster: Any, conn: Any, db_url: str) -> int:
 
 
 def _scrape(port: int) -> dict[str, float]:
-    """A worker's task executions by result, and (keys ``_lapses`` and ``_locks_lost``) its
-    liveness lapses and the locks it lost: a run slowed by a lapse (every lock of the
-    process given up at once) says so."""
+    """A worker's task executions by result, and (keys ``_lapses``, ``_locks_lost``,
+    ``_late_beats``, ``_gap_le``) its liveness lapses, the locks it lost, its heartbeat gaps
+    over 1 s and the bucket bound of its longest: a run slowed by a lapse (every lock of the
+    process given up at once), or near one, says so."""
     import httpx
 
     out: dict[str, float] = {}
@@ -258,6 +260,14 @@ def _scrape(port: int) -> dict[str, float]:
         out[key] = sum(
             float(m.group(1)) for m in re.finditer(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
         )
+    gap = "payment_worker_liveness_beat_gap_seconds"
+    buckets = {
+        float(m.group(1)): float(m.group(2))
+        for m in re.finditer(rf'^{gap}_bucket\{{le="([^"]+)"\}} (\S+)$', text, re.M)
+    }
+    beats = buckets.get(float("inf"), 0.0)
+    out["_late_beats"] = beats - buckets.get(1.0, beats)
+    out["_gap_le"] = min((le for le, n in buckets.items() if n >= beats), default=0.0)
     return out
 
 
@@ -508,11 +518,14 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
             _wait_ready(ports)  # every /metrics up (they are, by now) before the scrape
             execs: dict[str, float] = {}
             per_worker: list[int] = []  # task executions of each worker process: the balance
-            lapses = locks_lost = 0
+            lapses = locks_lost = late_beats = 0
+            gap_le = 0.0
             for port in ports:
                 scraped = _scrape(port)
                 lapses += int(scraped.pop("_lapses", 0))
                 locks_lost += int(scraped.pop("_locks_lost", 0))
+                late_beats += int(scraped.pop("_late_beats", 0))
+                gap_le = max(gap_le, scraped.pop("_gap_le", 0.0))
                 per_worker.append(int(sum(scraped.values())))
                 for k, v in scraped.items():
                     execs[k] = execs.get(k, 0.0) + v
@@ -559,6 +572,8 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
         "lookups": int(lookups or 0),
         "lapses": lapses,
         "locks_lost": locks_lost,
+        "late_beats": late_beats,
+        "gap_le": gap_le,
         # Redis commands per item by command (the sampler's own few included)
         "redis_by_cmd": {
             k: (n - by0.get(k, 0)) / total
@@ -578,7 +593,7 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(ordered[(len(ordered) - 1) // 2])
     out["all_rates"] = [r["items_per_s"] for r in runs]
     out["all_peaks"] = [r["in_flight_peak"] for r in runs]
-    out["all_lapses"] = [(r["lapses"], r["locks_lost"]) for r in runs]
+    out["all_lapses"] = [(r["lapses"], r["locks_lost"], r["late_beats"], r["gap_le"]) for r in runs]
     out["double"] = sum(r["double"] for r in runs)
     return out
 
@@ -702,11 +717,15 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
         + "; ".join(f"{r['num']}: {r['execs_by_worker']}" for r in rows)
         + ". Sends beyond one per item, and lookups: "
         + "; ".join(f"{r['num']}: {r['extra_sends']:,}, {r['lookups']:,}" for r in rows)
-        + ". Liveness lapses / locks lost, every run: "
+        + ". Liveness lapses / locks lost / heartbeat gaps over 1 s (the longest at most), "
+        + "every run: "
         + "; ".join(
             f"{r['num']}: "
             + ", ".join(
-                f"{a} / {b:,}" for a, b in r.get("all_lapses", [(r["lapses"], r["locks_lost"])])
+                f"{a} / {b:,} / {c} (≤ {g:g} s)"
+                for a, b, c, g in r.get(
+                    "all_lapses", [(r["lapses"], r["locks_lost"], r["late_beats"], r["gap_le"])]
+                )
             )
             for r in rows
         )

@@ -46,7 +46,11 @@ from redis.exceptions import RedisError
 
 from payment_worker import lua
 from payment_worker.ops.logging import get_logger
-from payment_worker.ops.metrics import LIVENESS_BEATS, LIVENESS_LAPSES
+from payment_worker.ops.metrics import (
+    LIVENESS_BEAT_GAP_SECONDS,
+    LIVENESS_BEATS,
+    LIVENESS_LAPSES,
+)
 from payment_worker.redis_keys import RedisKeys
 
 log = get_logger("liveness")
@@ -154,6 +158,8 @@ class Liveness:
                 return False
             replied = self._clock()
             epoch, last = self._state
+            if epoch > 0:
+                LIVENESS_BEAT_GAP_SECONDS.observe(replied - last)
             if epoch <= 0 or old is None or replied - last >= self.window:
                 if epoch > 0:
                     LIVENESS_LAPSES.inc()

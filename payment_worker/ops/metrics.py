@@ -166,6 +166,14 @@ LIVENESS_LAPSES = Counter(
     "Times this process's liveness key may have lapsed (paused, Redis unreachable or flushed): "
     "every lock it held counts as lost.",
 )
+# how close a busy process comes to a lapse: the lapse is a gap of LIVENESS_TTL_MS -
+# LOCK_SAFETY_MARGIN_MS (2 s by default); the beats are LIVENESS_INTERVAL_MS (0.5 s) apart
+LIVENESS_BEAT_GAP_SECONDS = Histogram(
+    "payment_worker_liveness_beat_gap_seconds",
+    "From one successful heartbeat's send to the next one's reply: LIVENESS_INTERVAL_MS when "
+    "the process keeps up; LIVENESS_TTL_MS - LOCK_SAFETY_MARGIN_MS or more is a lapse.",
+    buckets=(0.6, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 5.0),
+)
 LOCK_TAKEOVERS = Counter(
     "payment_worker_lock_takeovers_total",
     "Account locks taken from a holder process whose liveness key was gone (by task or sweeper).",

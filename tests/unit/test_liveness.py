@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from payment_worker.dev.faults import holder_pid
@@ -145,3 +146,25 @@ def test_the_interval_must_survive_one_missed_beat() -> None:
     with pytest.raises(ValueError, match="LIVENESS_INTERVAL_MS"):
         Settings(liveness_ttl_ms=3000, liveness_interval_ms=1500, lock_safety_margin_ms=1000)
     Settings(liveness_ttl_ms=3000, liveness_interval_ms=1000, lock_safety_margin_ms=1000)
+
+
+def test_each_gap_between_successful_beats_is_observed(parts: Any) -> None:
+    """``payment_worker_liveness_beat_gap_seconds``: from one good beat's send to the next
+    one's reply (the fake clock does not move during a beat), so a process near a lapse shows
+    before it has one."""
+    name = "payment_worker_liveness_beat_gap_seconds"
+
+    def seen(suffix: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name + suffix, labels) or 0.0
+
+    live, _, clock = parts
+    count, total, late = seen("_count"), seen("_sum"), seen("_bucket", le="1.0")
+    live.beat()  # the first: no gap yet
+    clock.now += 0.5
+    live.beat()
+    clock.now += 1.75  # starved, still within the 2 s window: no lapse
+    live.beat()
+    assert live.current_epoch() == 1
+    assert seen("_count") - count == 2
+    assert seen("_sum") - total == pytest.approx(2.25)
+    assert seen("_bucket", le="1.0") - late == 1  # the 0.5 s one; the 1.75 s one is above
