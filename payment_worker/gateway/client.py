@@ -42,7 +42,7 @@ from payment_worker.gateway.outcomes import (
     not_sent,
 )
 from payment_worker.gateway.pacing import Pacer
-from payment_worker.gateway.tokens import TOKEN_PAUSED, SentRequest, TokenManager
+from payment_worker.gateway.tokens import SentRequest, TokenManager
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     GATEWAY_ENDPOINTS,
@@ -305,9 +305,9 @@ class GatewayClient:
             try:
                 token = self.tokens.get(account_id, rejected=rejected)
                 if isinstance(token, GatewayResult):
-                    # a pause after a failed token request is the token manager's own wait
-                    # (nothing was asked): only an answer's Retry-After closes the account
-                    if token.retry_after is not None and token.reason != TOKEN_PAUSED:
+                    # a token 429 closes the account as a payment's does; any other result
+                    # (a pause after a failed token request included) asked nothing of it
+                    if token.http_status == 429 and token.retry_after is not None:
                         self._cooldown(account_id, token.retry_after)
                     return self._done(endpoint, account_id, token)
                 paced = self.pacer.acquire(

@@ -229,7 +229,7 @@ class TokenManager:
         hit = self._local.get(account_id)
         if hit is not None and time.monotonic() < hit[1]:
             return None
-        if self._pause_left(account_id) > 0:
+        if self._paused_result(account_id) is not None:
             return None  # no refresh lock taken, no request sent early: get() answers
         return secrets.token_hex(12), self._lock_ttl_ms
 
@@ -314,10 +314,6 @@ class TokenManager:
             time.sleep(self._poll)
 
     # --- pauses after a failed token request ---------------------------------------------
-    def _pause_left(self, account_id: str) -> float:
-        pause = self._paused.get(account_id)
-        return 0.0 if pause is None else pause.until - time.monotonic()
-
     def _paused_result(self, account_id: str) -> GatewayResult | None:
         """The not-sent answer while the account's token requests are paused, else None."""
         pause = self._paused.get(account_id)
