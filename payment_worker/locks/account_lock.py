@@ -384,11 +384,13 @@ class AccountLock:
         No network round trip; safe to call at any time (a no-op when not held)."""
         self._stall.touch()
 
-    def ensure_held(self) -> None:
+    def ensure_held(self, *, wait: bool = True) -> None:
         """Raise :class:`LockLost` unless the lock is still ours. No network round trip.
 
         Reads what the renewer found and checks the local deadline, so a holder that
-        was paused past its TTL stops even before the renewer runs again.
+        was paused past its TTL stops even before the renewer runs again. When the
+        process's heartbeat is only late (no gap known), waits for it (up to
+        ``LIVENESS_TTL_MS``; ``wait=False``: not at all) before deciding.
         """
         token = self._token
         if token is None:
@@ -397,9 +399,14 @@ class AccountLock:
             self._mark_lost(token, "deadline")
         liveness = self._liveness
         if self.lost_reason is None and liveness is not None and not liveness.vouches(self._epoch):
-            # this process's liveness key may have lapsed since the lock was taken (paused,
-            # Redis unreachable or flushed): a taker may own the account now
-            self._mark_lost(token, "liveness")
+            # a starved heartbeat thread (a burst of this process's own threads) is late
+            # without any gap: its next beat tells whether the key lapsed
+            if not (wait and liveness.await_vouch(self._epoch, liveness.ttl_ms / 1000)):
+                # this process's liveness key may have lapsed since the lock was taken
+                # (paused, Redis unreachable or flushed): a taker may own the account now
+                self._mark_lost(token, "liveness")
+            elif _clock() >= self._deadline:  # the wait ran past the lock's own deadline
+                self._mark_lost(token, "deadline")
         reason = self.lost_reason
         if reason is not None:
             raise LockLost(f"lock {self.key} lost ({reason})")
@@ -408,7 +415,7 @@ class AccountLock:
     def lost(self) -> bool:
         """True when the lock was acquired and is no longer safely ours."""
         try:
-            self.ensure_held()
+            self.ensure_held(wait=False)
         except LockLost:
             return self._token is not None
         return False

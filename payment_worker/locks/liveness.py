@@ -12,10 +12,17 @@ taken over in seconds instead of after the lock's TTL.
   liveness key has certainly existed without a gap since it took them. :meth:`Liveness.vouches`
   answers that with no round trip: the last successful heartbeat was sent less than
   ``LIVENESS_TTL_MS - LOCK_SAFETY_MARGIN_MS`` ago (local boottime clock), and no heartbeat
-  since the lock was taken found a gap (the key missing, or a success later than the window
-  allows): each gap starts a new **epoch**, and a lock remembers the epoch it was taken in.
+  since the lock was taken found a gap: each gap starts a new **epoch**, and a lock
+  remembers the epoch it was taken in. Every beat writes a value of its own and reads the
+  one it replaces (``SET … GET``); a beat that reads anything but the value of the last beat
+  known to have succeeded (the key missing, or written by a beat whose reply was lost) found
+  a gap. Reading that value proves the key existed from that beat until this one, however
+  late this one came: only that beat ever wrote it, and an expired key never comes back.
   ``AccountLock.ensure_held`` (right before every send) checks it, so a process resumed
-  after SIGSTOP stops before any send, whichever of its threads runs first.
+  after SIGSTOP stops before any send, whichever of its threads runs first. When only the
+  time has run out (the heartbeat thread is late: a paused process, or one starved of the
+  CPU or the GIL by a burst of its own threads), the sender waits for the next beat
+  (:meth:`Liveness.await_vouch`) instead of giving its lock up at once.
 
 * Each heartbeat also registers the holder (``{prefix}:holders``, holder id -> last beat), so
   the sweeper learns in two round trips whether any holder died (:func:`dead_holders`) and
@@ -126,10 +133,14 @@ class Liveness:
         self.window = (ttl_ms - margin_ms) / 1000
         self._client = client
         self._clock = clock
-        # (epoch, clock reading before the last successful beat was sent); epoch 0: never
-        # beaten, -1: stopped. One tuple, so a reader never sees half an update.
-        self._state: tuple[int, float] = (0, float("-inf"))
+        # (epoch, clock reading before the last successful beat was sent, the value that
+        # beat wrote); epoch 0: never beaten, -1: stopped. One tuple, so a reader never sees
+        # half an update.
+        self._state: tuple[int, float, bytes] = (0, float("-inf"), b"")
+        self._beats = 0
         self._beat_mutex = threading.Lock()
+        # notified after every successful beat: senders waiting for one (await_vouch)
+        self._beaten = threading.Condition(threading.Lock())
         self._start_mutex = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,30 +148,35 @@ class Liveness:
     # --- heartbeat ------------------------------------------------------------------------
 
     def beat(self) -> bool:
-        """Renew the key once; True on success. A gap since the last success (the key was
-        missing, or this success came later than the window allows) starts a new epoch:
-        the locks taken before it are no longer vouched for."""
+        """Renew the key once; True on success. A gap since the last success (the key held
+        anything but the value that success wrote: missing, or another beat's) starts a
+        new epoch: the locks taken before it are no longer vouched for."""
         with self._beat_mutex:
             if self._stopping.is_set():
                 return False
             sent = self._clock()
+            # a value no other beat writes: reading it back proves the key never lapsed
+            self._beats += 1
+            value = f"{os.getpid()}-{self._beats}".encode()
             # one round trip: the key, and the holder's entry in the registry, so a holder
             # vouched for (the only kind that takes locks) is always registered; the sweeper
             # reads the locks of recently written accounts only while a registered one is dead
             pipe = self._client.pipeline(transaction=False)
-            pipe.set(self.key, os.getpid(), px=self.ttl_ms, get=True)
+            pipe.set(self.key, value, px=self.ttl_ms, get=True)
             pipe.zadd(self._registry, {self.holder_id: int(time.time() * 1000)})
             try:
                 old = pipe.execute()[0]
+                if isinstance(old, str):  # a client that decodes replies
+                    old = old.encode()
             except RedisError as exc:
                 LIVENESS_BEATS.labels("error").inc()
                 log.warning("liveness_beat_failed", holder=self.holder_id, error=str(exc))
                 return False
             replied = self._clock()
-            epoch, last = self._state
+            epoch, last, last_value = self._state
             if epoch > 0:
                 LIVENESS_BEAT_GAP_SECONDS.observe(replied - last)
-            if epoch <= 0 or old is None or replied - last >= self.window:
+            if epoch <= 0 or old != last_value:
                 if epoch > 0:
                     LIVENESS_LAPSES.inc()
                     log.warning(
@@ -170,7 +186,17 @@ class Liveness:
                         since_last_beat_s=round(replied - last, 3),
                     )
                 epoch = max(epoch, 0) + 1
-            self._state = (epoch, sent)
+            elif replied - last >= self.window:
+                # late, but the key held the last beat's value: it never lapsed, the locks
+                # stay ours (senders that checked meanwhile waited for this beat)
+                log.warning(
+                    "liveness_beat_late",
+                    holder=self.holder_id,
+                    since_last_beat_s=round(replied - last, 3),
+                )
+            with self._beaten:
+                self._state = (epoch, sent, value)
+                self._beaten.notify_all()
             LIVENESS_BEATS.labels("ok").inc()
             return True
 
@@ -201,8 +227,9 @@ class Liveness:
         """Stop beating; with ``forget`` delete the key, so any lock this process still
         holds is taken over at once. Nothing is vouched for afterwards."""
         self._stopping.set()
-        with self._beat_mutex:
-            self._state = (-1, float("-inf"))
+        with self._beat_mutex, self._beaten:
+            self._state = (-1, float("-inf"), b"")
+            self._beaten.notify_all()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -226,7 +253,7 @@ class Liveness:
 
     def current_epoch(self) -> int | None:
         """The epoch if the process is vouched for right now, else None. No round trip."""
-        epoch, last = self._state
+        epoch, last, _ = self._state
         if epoch > 0 and self._clock() < last + self.window:
             return epoch
         return None
@@ -246,6 +273,23 @@ class Liveness:
         """Whether a lock taken in ``epoch`` may still be trusted: the key has existed
         without a gap since, and the last good beat is recent. No round trip."""
         return self.current_epoch() == epoch
+
+    def await_vouch(self, epoch: int, timeout: float) -> bool:
+        """:meth:`vouches`, waiting up to ``timeout`` seconds for the heartbeat when only
+        the time has run out: no gap is known in ``epoch``, but the last good beat is older
+        than the window. A late beat that finds the key unbroken vouches again; one that
+        finds a gap, a stop or the timeout ends the wait with False. The waiting threads
+        sleep without the GIL, so a burst that starved the heartbeat thread also makes way
+        for it. No round trip of its own."""
+        end = time.monotonic() + timeout
+        with self._beaten:
+            while True:
+                if self.current_epoch() == epoch:
+                    return True
+                left = end - time.monotonic()
+                if self._state[0] != epoch or self._stopping.is_set() or left <= 0:
+                    return False
+                self._beaten.wait(left)
 
 
 # --- what a taker does (a task on contention, the sweeper) -------------------------------------

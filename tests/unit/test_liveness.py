@@ -3,6 +3,8 @@ vouches for its locks, and which heartbeats start a new epoch (docs/locks.md).""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -24,20 +26,26 @@ class Clock:
 
 
 class ScriptedRedis:
-    """``SET … GET`` answers: what the key held before (None: missing), or an error."""
+    """The liveness key as Redis keeps it, on the fake clock: ``SET … PX … GET`` answers
+    what the key held (None: missing or expired), or an error."""
 
-    def __init__(self) -> None:
-        self.key_exists = False
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.value: bytes | None = None
+        self.expires_at = 0.0
         self.down = False
         self.sets = 0
+
+    def held(self) -> bytes | None:
+        return self.value if self.clock.now < self.expires_at else None
 
     def set(self, key: str, value: Any, px: int, get: bool) -> bytes | None:
         assert get and px == 3000
         if self.down:
             raise RedisConnectionError("refused")
         self.sets += 1
-        old = b"1" if self.key_exists else None
-        self.key_exists = True
+        old = self.held()
+        self.value, self.expires_at = value, self.clock.now + px / 1000
         return old
 
     def pipeline(self, transaction: bool) -> ScriptedPipeline:
@@ -65,7 +73,8 @@ class ScriptedPipeline:
 
 @pytest.fixture
 def parts() -> tuple[Liveness, ScriptedRedis, Clock]:
-    r, clock = ScriptedRedis(), Clock()
+    clock = Clock()
+    r = ScriptedRedis(clock)
     live = Liveness(
         r,  # type: ignore[arg-type]
         RedisKeys(),
@@ -102,13 +111,12 @@ def test_vouches_while_the_last_beat_is_recent(parts: Any) -> None:
 
 
 def test_a_beat_after_a_gap_starts_a_new_epoch(parts: Any) -> None:
-    live, r, clock = parts
+    live, _, clock = parts
     live.beat()
     clock.now += 0.5
     live.beat()
     assert live.current_epoch() == 1  # continuous: same epoch
-    clock.now += 5.0  # SIGSTOP: the key expired meanwhile (as Redis would)
-    r.key_exists = True  # even if the key were still there, the time alone is a gap
+    clock.now += 5.0  # SIGSTOP: the key expired meanwhile
     live.beat()
     assert live.current_epoch() == 2 and not live.vouches(1)
 
@@ -117,21 +125,92 @@ def test_a_beat_that_finds_its_key_missing_starts_a_new_epoch(parts: Any) -> Non
     live, r, clock = parts
     live.beat()
     clock.now += 0.5
-    r.key_exists = False  # FLUSHDB of the lock store
+    r.value = None  # FLUSHDB of the lock store
     live.beat()
     assert live.current_epoch() == 2 and not live.vouches(1)
 
 
-def test_failed_beats_change_nothing_until_the_window_ends(parts: Any) -> None:
+def test_each_beat_writes_a_value_of_its_own(parts: Any) -> None:
+    live, r, clock = parts
+    seen = set()
+    for _ in range(3):
+        live.beat()
+        seen.add(r.value)
+        clock.now += 0.5
+    assert len(seen) == 3
+
+
+def test_a_beat_that_finds_another_beats_value_starts_a_new_epoch(parts: Any) -> None:
+    """A beat whose reply was lost may still have run, even after the key expired: the key
+    then holds its value, not the last known success's, and nothing proves it never
+    lapsed."""
+    live, r, clock = parts
+    live.beat()
+    clock.now += 0.5
+    r.set(live.key, b"a-beat-whose-reply-was-lost", px=3000, get=True)
+    live.beat()
+    assert live.current_epoch() == 2 and not live.vouches(1)
+
+
+def test_a_late_beat_that_finds_its_key_unbroken_keeps_the_epoch(parts: Any) -> None:
+    """The heartbeat thread starved (a burst of the process's own threads) past the window
+    but not past the key's TTL: the locks are not vouched for meanwhile, and vouched for
+    again once the late beat reads back the last beat's value."""
+    live, _, clock = parts
+    live.beat()
+    clock.now += 2.4  # window 2 s, TTL 3 s
+    assert not live.vouches(1)
+    assert live.beat() and live.current_epoch() == 1 and live.vouches(1)
+
+
+def test_failed_beats_change_nothing_until_the_key_could_have_lapsed(parts: Any) -> None:
     live, r, clock = parts
     live.beat()
     r.down = True
     clock.now += 1.0
     assert not live.beat() and live.vouches(1)
     clock.now += 1.5
-    assert not live.vouches(1)
+    assert not live.vouches(1)  # unreachable past the window: nothing is sent meanwhile
     r.down = False
-    assert live.beat() and live.current_epoch() == 2  # the gap is noticed on recovery
+    assert live.beat() and live.current_epoch() == 1  # reachable again before the TTL ran out
+    r.down = True
+    clock.now += 3.5
+    r.down = False
+    assert live.beat() and live.current_epoch() == 2  # past it: the gap is noticed on recovery
+
+
+def test_a_sender_waits_for_a_late_beat(parts: Any) -> None:
+    live, _, clock = parts
+    live.beat()
+    clock.now += 2.4
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(live.await_vouch(1, 10.0)))
+    waiter.start()
+    waiter.join(0.1)
+    assert waiter.is_alive()  # no beat yet: it waits, it does not decide
+    live.beat()
+    waiter.join(5.0)
+    assert got == [True]
+
+
+def test_a_waiting_sender_learns_of_a_gap_a_stop_or_its_timeout(parts: Any) -> None:
+    live, _, clock = parts
+    live.beat()
+    clock.now += 2.4
+    started = time.monotonic()
+    assert not live.await_vouch(1, 0.05)  # no beat came
+    assert time.monotonic() - started >= 0.05
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(live.await_vouch(1, 10.0)))
+    waiter.start()
+    waiter.join(0.1)
+    clock.now += 1.0  # past the TTL: the late beat finds the key missing
+    live.beat()
+    waiter.join(5.0)
+    assert got == [False] and live.current_epoch() == 2
+    assert not live.await_vouch(1, 10.0)  # a known gap: no wait at all
+    live.stop(forget=False)
+    assert not live.await_vouch(2, 10.0)
 
 
 def test_a_stopped_liveness_vouches_for_nothing(parts: Any) -> None:
