@@ -234,6 +234,9 @@ class TcpProxy:
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._cut = False
+        # when set, the next data Redis sends is read and thrown away (then it is cleared): the
+        # command ran, its reply is lost
+        self.drop_next_reply = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -248,13 +251,16 @@ class TcpProxy:
                     continue
                 upstream = socket.create_connection(self._target)
                 self._socks += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, drop in ((client, upstream, None), (upstream, client, self.drop_next_reply)):
+                threading.Thread(target=self._pipe, args=(a, b, drop), daemon=True).start()
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(src: socket.socket, dst: socket.socket, drop: threading.Event | None) -> None:
         try:
             while data := src.recv(65536):
+                if drop is not None and drop.is_set():
+                    drop.clear()
+                    continue
                 dst.sendall(data)
         except OSError:
             pass

@@ -262,7 +262,7 @@ class AccountLock:
         elif self._redis.set(self.key, token, nx=True, px=self.ttl_ms):
             return sent
         LOCK_CONTENTION.inc()
-        granted = self._take_over(token) if self._liveness is not None else None
+        granted = self._take_over(token, sent) if self._liveness is not None else None
         if granted is None and blocking and (timeout is None or timeout > 0):
             until = None if timeout is None else started + timeout
             queue = WaitQueue(
@@ -278,8 +278,10 @@ class AccountLock:
             arrival.clear(self._redis)  # taken from a dead holder, or handed over
         return granted
 
-    def _take_over(self, token: str) -> float | None:
-        """The lock is held: if its holder process is dead (liveness key gone), take it.
+    def _take_over(self, token: str, attempted: float) -> float | None:
+        """The lock is held: if its holder process is dead (liveness key gone), take it; if
+        it holds ``token``, it is ours already (a retried take; ``attempted``: the clock
+        reading before the take was first sent).
 
         Two reads (the lock, the holder's liveness key: another Redis Cluster slot) and, for
         a dead holder, the takeover script, which replaces the lock only if it still holds
@@ -287,6 +289,11 @@ class AccountLock:
         """
         assert self._liveness is not None
         current = self._redis.get(self.key)
+        if current is not None and _text(current) == token:
+            # our own take ran and its reply was lost; the client's retry found the lock
+            # taken (a value is unique to one acquisition): it is ours, since before the
+            # first try left
+            return attempted
         holder = holder_of(current)
         if current is None or holder is None or holder == self._liveness.holder_id:
             return None  # free again (its releaser sees our mark), no holder id, or us

@@ -16,7 +16,10 @@ local function token_claim(token_key, lock_key, owner, lock_ttl_ms, rejected)
   if token ~= '' and token ~= rejected and pttl > lead then
     return {'use', token, pttl, lead}
   end
-  if redis.call('SET', lock_key, owner, 'NX', 'PX', lock_ttl_ms) then
+  -- the lock already `owner`'s: a retry of a claim whose reply was lost (owners are random
+  -- per claim), so the refresh is this caller's to make
+  if redis.call('SET', lock_key, owner, 'NX', 'PX', lock_ttl_ms)
+      or redis.call('GET', lock_key) == owner then
     return {'refresh', token, pttl, lead}
   end
   return {'wait', token, pttl, lead}

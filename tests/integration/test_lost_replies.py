@@ -1,0 +1,121 @@
+"""A lock take whose reply is lost, and the client's retry (redis-py retries a command on a
+connection error or a timeout; the runtime's client keeps redis-py's default retries).
+
+The take ran; the retry runs it again and finds the lock holding its own value. That value
+is unique to one acquisition, so the lock is the retry's: taken (``lib/lock_take.lua``),
+and the refresh lock its start took is its own too (``lib/token_claim.lua``). Before, the
+retry answered "busy", and the account stayed locked by a holder that did not know it until
+the lock's TTL (30 s) ran out.
+
+The fault is real: a TCP proxy in front of Redis throws the reply away
+(tests/lock_helpers.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from payment_worker import runtime
+from payment_worker.locks.account_lock import AccountLock
+from payment_worker.locks.liveness import holder_of
+from payment_worker.worker.queueing import RedisAccountQueue
+from tests.conftest import PwEnv
+from tests.lock_helpers import TcpProxy
+
+pytestmark = pytest.mark.integration
+
+ACCT = "acct-lost-reply"
+
+
+@pytest.fixture
+def proxied(pw_env: PwEnv) -> Iterator[tuple[TcpProxy, redis.Redis]]:
+    url = urlsplit(pw_env.redis_url)
+    proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 6379)
+    client = redis.Redis(
+        port=proxy.port,
+        db=int(url.path.strip("/") or 0),
+        socket_timeout=0.5,
+        socket_connect_timeout=0.5,
+        retry=Retry(NoBackoff(), 1),  # one retry, at once: what the default does, sooner
+    )
+    client.ping()  # connected: the next reply is the take's
+    yield proxy, client
+    proxy.cut()
+    client.close()
+
+
+def _warm(rt: runtime.Runtime, queue: RedisAccountQueue) -> None:
+    """The start and end scripts loaded into Redis, so the reply lost is one that ran (not a
+    ``NOSCRIPT`` that redis-py answers by loading the script)."""
+    lock = rt.account_lock("acct-warm")
+    assert lock.acquire(
+        arrival=queue.arrival("acct-warm", "b-0"), rider=rt.gateway.account_start("acct-warm")
+    )
+    assert lock.release(queue.arrival("acct-warm", "b-0"), rt.gateway.account_end("acct-warm"))
+
+
+def _lock(rt: runtime.Runtime, client: redis.Redis) -> AccountLock:
+    s = rt.settings
+    return AccountLock(
+        client,
+        ACCT,
+        engine=rt.autocommit_engine,
+        ttl_ms=s.lock_ttl_ms,
+        safety_margin_ms=s.lock_safety_margin_ms,
+        key_prefix=s.redis_key_prefix,
+        liveness=rt.liveness,
+        renewer=rt.renewer,
+    )
+
+
+def test_a_takes_retry_after_its_lost_reply_holds_the_lock(
+    rt: runtime.Runtime,
+    redis_client: redis.Redis,
+    proxied: tuple[TcpProxy, redis.Redis],
+) -> None:
+    proxy, client = proxied
+    queue = RedisAccountQueue(rt)
+    _warm(rt, queue)
+    rider = rt.gateway.account_start(ACCT)  # no token yet: the start takes the refresh lock
+    assert rider is not None
+    lock = _lock(rt, client)
+    proxy.drop_next_reply.set()
+    try:
+        assert lock.acquire(arrival=queue.arrival(ACCT, "b-1"), fence=False, rider=rider)
+        assert not proxy.drop_next_reply.is_set()  # a reply was lost
+        value = redis_client.get(rt.keys.lock(ACCT))
+        assert holder_of(value) == rt.liveness.holder_id
+        assert not redis_client.exists(rt.keys.waiting(ACCT))  # no "busy" mark left
+        lock.ensure_held()
+        # the refresh lock the first run took is the retry's: its owner is the rider's
+        owner = redis_client.get(rt.keys.token_lock(ACCT))
+        assert owner is not None and owner.decode() == rider.args[0]
+    finally:
+        end = rt.gateway.account_end(ACCT)
+        assert lock.release(queue.arrival(ACCT, "b-1"), end)
+    assert not redis_client.exists(rt.keys.lock(ACCT))
+    assert not redis_client.exists(rt.keys.token_lock(ACCT))
+
+
+def test_a_plain_takes_retry_after_its_lost_reply_holds_the_lock(
+    rt: runtime.Runtime,
+    redis_client: redis.Redis,
+    proxied: tuple[TcpProxy, redis.Redis],
+) -> None:
+    proxy, client = proxied
+    lock = _lock(rt, client)
+    rt.liveness.start()
+    proxy.drop_next_reply.set()
+    try:
+        assert lock.acquire(fence=False)
+        assert not proxy.drop_next_reply.is_set()
+        assert holder_of(redis_client.get(rt.keys.lock(ACCT))) == rt.liveness.holder_id
+        lock.ensure_held()
+    finally:
+        assert lock.release()
+    assert not redis_client.exists(rt.keys.lock(ACCT))
