@@ -30,8 +30,10 @@ Each entry: key (type, TTL): what it holds; who writes it.
     checks it after releasing.
 ``{prefix}:scheduled:{acct}`` (hash, until its due time + 5 s)
     The account's one delayed message is on its way: ``due`` (ms, Redis server clock),
-    ``batch`` (the batch id it carries). The drain loop (``schedule_claim.lua``: an earlier
-    message replaces a later one), cleared by that message's task (``schedule_clear.lua``).
+    ``batch`` (the batch id it carries), ``call`` (the claim's own random value: its retry
+    after a lost reply is answered as the claim was). The drain loop
+    (``schedule_claim.lua``: an earlier message replaces a later one), cleared by that
+    message's task (``schedule_clear.lua``).
     Versions before due times wrote a string (the batch id, countdown + 5 s); the scripts
     read it as due 5 s before it expires.
 ``{prefix}:swept:{acct}`` (string, ``SWEEPER_RESEND_AFTER``)

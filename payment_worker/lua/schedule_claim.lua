@@ -6,6 +6,8 @@
 -- ARGV[2]  the batch id it would carry
 -- ARGV[3]  how long the marker outlives its due time, ms
 -- ARGV[4]  how much earlier a new message must be due to replace the one on its way, ms
+-- ARGV[5]  a value unique to this call: a retry of it (its reply lost) finds its own marker
+--          and is answered as the call was, so its message is still published
 --
 -- Returns {1, due}: the marker now holds this due time, the caller publishes the message
 -- (carrying `due`, so that its task clears the marker when it runs); {0, due}: a message
@@ -20,7 +22,11 @@ local due = now + tonumber(ARGV[1])
 local kind = redis.call('TYPE', KEYS[1]).ok
 local cur = nil
 if kind == 'hash' then
-  cur = tonumber(redis.call('HGET', KEYS[1], 'due'))
+  local mine = redis.call('HMGET', KEYS[1], 'due', 'call')
+  if mine[2] == ARGV[5] then
+    return {1, tonumber(mine[1])}
+  end
+  cur = tonumber(mine[1])
 elseif kind == 'string' then
   local left = redis.call('PTTL', KEYS[1])
   if left >= 0 then cur = now + math.max(left - 5000, 0) end
@@ -29,6 +35,6 @@ if cur and cur - tonumber(ARGV[4]) < due then
   return {0, cur}
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'due', string.format('%d', due), 'batch', ARGV[2])
+redis.call('HSET', KEYS[1], 'due', string.format('%d', due), 'batch', ARGV[2], 'call', ARGV[5])
 redis.call('PEXPIREAT', KEYS[1], due + tonumber(ARGV[3]))
 return {1, due}

@@ -7,6 +7,7 @@ neither the tasks module nor anything that imports it (no import cycle).
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any
 
@@ -138,7 +139,16 @@ def schedule(rt: Runtime, account_id: str, batch_id: str, wait: float) -> float:
     # the marker outlives the due time a little; the sweeper covers a lost delayed message
     created, due = claim(
         keys=[marker],
-        args=[int(wait * 1000), batch_id, SCHEDULE_SLACK_MS, SCHEDULE_EARLIER_BY_MS],
+        # the call's own value: the client's retry after a lost reply is answered as the
+        # call was, so the message is still published (else the marker would hold back
+        # every retry of the account until it expired and the sweeper came)
+        args=[
+            int(wait * 1000),
+            batch_id,
+            SCHEDULE_SLACK_MS,
+            SCHEDULE_EARLIER_BY_MS,
+            secrets.token_hex(8),
+        ],
     )
     if created == 1:
         try:

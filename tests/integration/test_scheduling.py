@@ -17,17 +17,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from payment_worker import runtime
+from payment_worker import lua, runtime
 from payment_worker.dev.samples import make_batches
 from payment_worker.producer.submit import submit_batch
 from payment_worker.worker import tasks
 from payment_worker.worker.queueing import schedule
 from tests.conftest import PwEnv
+from tests.lock_helpers import TcpProxy
 from tests.sim_fixtures import SimHandle
 
 ACCT = "acct-0000"
@@ -150,3 +154,32 @@ def test_the_delayed_task_clears_its_marker_when_it_runs(
     # a producer's message (no keyword) never touches the marker
     tasks.process_account_batch(batch_id)
     assert _marker(rt) == marker
+
+
+def test_a_claim_retried_after_its_lost_reply_still_publishes(
+    rt: runtime.Runtime, pw_env: PwEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py sends the claim again after a lost reply (the runtime's client keeps its
+    retries): the retry finds the marker its first run wrote and is answered as that run
+    was, so the message is published. Before, the retry found a message "on its way" that
+    was never sent, and the account's retries waited for the marker to expire and the
+    sweeper. The reply is lost for real: a TCP proxy in front of Redis throws it away."""
+    url = urlsplit(pw_env.redis_url)
+    proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 6379)
+    client = redis.Redis(
+        port=proxy.port,
+        db=int(url.path.strip("/") or 0),
+        socket_timeout=0.5,
+        retry=Retry(NoBackoff(), 1),
+    )
+    try:
+        client.script_load(lua.load("schedule_claim"))  # the reply lost is of a run
+        monkeypatch.setattr(rt, "redis", client)
+        proxy.drop_next_reply.set()
+        schedule(rt, ACCT, "b-1", 10.0)
+        assert not proxy.drop_next_reply.is_set()  # a reply was lost
+        [message] = _messages(pw_env)
+        assert message.kwargs == {"scheduled_due_ms": int(_marker(rt)["due"])}
+    finally:
+        proxy.cut()
+        client.close()
