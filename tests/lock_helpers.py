@@ -20,8 +20,14 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 GATEWAY_CALLS_KEY = "test:gateway_calls"
 COUNTER_KEY = "test:counter"
@@ -279,6 +285,28 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+
+@contextlib.contextmanager
+def proxied_redis(redis_url: str) -> Iterator[tuple[TcpProxy, redis.Redis]]:
+    """A client of ``redis_url``'s database through a :class:`TcpProxy`, already connected
+    (the next reply the proxy sees is the next command's), that retries a command once at
+    once after a timeout: redis-py's default retries, sooner."""
+    url = urlsplit(redis_url)
+    proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 6379)
+    client = redis.Redis(
+        port=proxy.port,
+        db=int(url.path.strip("/") or 0),
+        socket_timeout=0.5,
+        socket_connect_timeout=0.5,
+        retry=Retry(NoBackoff(), 1),
+    )
+    try:
+        client.ping()
+        yield proxy, client
+    finally:
+        proxy.cut()
+        client.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,19 +13,16 @@ The fault is real: a TCP proxy in front of Redis throws the reply away
 from __future__ import annotations
 
 from collections.abc import Iterator
-from urllib.parse import urlsplit
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from payment_worker import runtime
 from payment_worker.locks.account_lock import AccountLock
 from payment_worker.locks.liveness import holder_of
 from payment_worker.worker.queueing import RedisAccountQueue
 from tests.conftest import PwEnv
-from tests.lock_helpers import TcpProxy
+from tests.lock_helpers import TcpProxy, proxied_redis
 
 pytestmark = pytest.mark.integration
 
@@ -34,19 +31,8 @@ ACCT = "acct-lost-reply"
 
 @pytest.fixture
 def proxied(pw_env: PwEnv) -> Iterator[tuple[TcpProxy, redis.Redis]]:
-    url = urlsplit(pw_env.redis_url)
-    proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 6379)
-    client = redis.Redis(
-        port=proxy.port,
-        db=int(url.path.strip("/") or 0),
-        socket_timeout=0.5,
-        socket_connect_timeout=0.5,
-        retry=Retry(NoBackoff(), 1),  # one retry, at once: what the default does, sooner
-    )
-    client.ping()  # connected: the next reply is the take's
-    yield proxy, client
-    proxy.cut()
-    client.close()
+    with proxied_redis(pw_env.redis_url) as pair:
+        yield pair
 
 
 def _warm(rt: runtime.Runtime, queue: RedisAccountQueue) -> None:

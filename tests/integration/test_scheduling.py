@@ -17,13 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
-from urllib.parse import urlsplit
 
 import psycopg
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from payment_worker import lua, runtime
 from payment_worker.dev.samples import make_batches
@@ -31,7 +28,7 @@ from payment_worker.producer.submit import submit_batch
 from payment_worker.worker import tasks
 from payment_worker.worker.queueing import schedule
 from tests.conftest import PwEnv
-from tests.lock_helpers import TcpProxy
+from tests.lock_helpers import proxied_redis
 from tests.sim_fixtures import SimHandle
 
 ACCT = "acct-0000"
@@ -164,15 +161,7 @@ def test_a_claim_retried_after_its_lost_reply_still_publishes(
     was, so the message is published. Before, the retry found a message "on its way" that
     was never sent, and the account's retries waited for the marker to expire and the
     sweeper. The reply is lost for real: a TCP proxy in front of Redis throws it away."""
-    url = urlsplit(pw_env.redis_url)
-    proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 6379)
-    client = redis.Redis(
-        port=proxy.port,
-        db=int(url.path.strip("/") or 0),
-        socket_timeout=0.5,
-        retry=Retry(NoBackoff(), 1),
-    )
-    try:
+    with proxied_redis(pw_env.redis_url) as (proxy, client):
         client.script_load(lua.load("schedule_claim"))  # the reply lost is of a run
         monkeypatch.setattr(rt, "redis", client)
         proxy.drop_next_reply.set()
@@ -180,6 +169,3 @@ def test_a_claim_retried_after_its_lost_reply_still_publishes(
         assert not proxy.drop_next_reply.is_set()  # a reply was lost
         [message] = _messages(pw_env)
         assert message.kwargs == {"scheduled_due_ms": int(_marker(rt)["due"])}
-    finally:
-        proxy.cut()
-        client.close()
