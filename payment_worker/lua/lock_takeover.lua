@@ -5,11 +5,17 @@
 -- ARGV[2]  the new value (`<holder>:<token>` of the taker), or '' to delete the lock
 -- ARGV[3]  the lock TTL in ms (for a new value)
 --
--- Returns 1 when the lock still held exactly ARGV[1] and now holds ARGV[2] (or is gone);
--- 0 when it changed meanwhile (released, handed over, taken by someone else): untouched.
+-- Returns 1 when the lock still held exactly ARGV[1] and now holds ARGV[2] (or is gone),
+-- or already holds ARGV[2]: this very takeover ran and its reply was lost (the client's
+-- retry; a taker's value is unique to one acquisition); 0 when it changed meanwhile
+-- (released, handed over, taken by someone else): untouched.
 -- The holder's liveness key lives in another Redis Cluster slot, so the caller checks it
 -- with a separate read before; the exact value compare makes that safe (docs/locks.md).
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local current = redis.call('GET', KEYS[1])
+if ARGV[2] ~= '' and current == ARGV[2] then
+  return 1
+end
+if current ~= ARGV[1] then
   return 0
 end
 if ARGV[2] == '' then

@@ -2,10 +2,10 @@
 connection error or a timeout; the runtime's client keeps redis-py's default retries).
 
 The take ran; the retry runs it again and finds the lock holding its own value. That value
-is unique to one acquisition, so the lock is the retry's: taken (``lib/lock_take.lua``),
-and the refresh lock its start took is its own too (``lib/token_claim.lua``). Before, the
-retry answered "busy", and the account stayed locked by a holder that did not know it until
-the lock's TTL (30 s) ran out.
+is unique to one acquisition, so the lock is the retry's: taken (``lib/lock_take.lua``, a
+dead holder's lock replaced by ``lock_takeover.lua``), and the refresh lock its start took
+is its own too (``lib/token_claim.lua``). Before, the retry answered "busy", and the account
+stayed locked by a holder that did not know it until the lock's TTL (30 s) ran out.
 
 The fault is real: a TCP proxy in front of Redis throws the reply away
 (tests/lock_helpers.py)."""
@@ -13,13 +13,14 @@ The fault is real: a TCP proxy in front of Redis throws the reply away
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 
 from payment_worker import runtime
 from payment_worker.locks.account_lock import AccountLock
-from payment_worker.locks.liveness import holder_of
+from payment_worker.locks.liveness import TAKEOVER_LUA, holder_of, lock_value
 from payment_worker.worker.queueing import RedisAccountQueue
 from tests.conftest import PwEnv
 from tests.lock_helpers import TcpProxy, proxied_redis
@@ -105,3 +106,31 @@ def test_a_plain_takes_retry_after_its_lost_reply_holds_the_lock(
     finally:
         assert lock.release()
     assert not redis_client.exists(rt.keys.lock(ACCT))
+
+
+def test_a_takeovers_retry_after_its_lost_reply_holds_the_lock(
+    rt: runtime.Runtime,
+    redis_client: redis.Redis,
+    proxied: tuple[TcpProxy, redis.Redis],
+) -> None:
+    """A dead holder's lock replaced by ``lock_takeover.lua``, whose reply is lost: the
+    retry finds the lock holding the taker's own value and answers "taken"."""
+    proxy, client = proxied
+    redis_client.set(rt.keys.lock(ACCT), lock_value("ghost-41-dead0001", "f" * 32), px=30_000)
+    client.script_load(TAKEOVER_LUA)  # the reply lost is of a run, not of a NOSCRIPT
+    lock = _lock(rt, client)
+    rt.liveness.start()
+    takeover = lock._takeover
+
+    def reply_lost(**kw: Any) -> Any:
+        proxy.drop_next_reply.set()
+        return takeover(**kw)
+
+    lock._takeover = reply_lost  # type: ignore[method-assign]
+    try:
+        assert lock.acquire(fence=False)
+        assert not proxy.drop_next_reply.is_set()  # a reply was lost
+        assert holder_of(redis_client.get(rt.keys.lock(ACCT))) == rt.liveness.holder_id
+        lock.ensure_held()
+    finally:
+        assert lock.release()
