@@ -109,6 +109,8 @@ class Liveness:
     Started lazily by the first lock acquisition (or eagerly by the worker's lifecycle);
     :meth:`stop` ends the thread and deletes the key, so locks left behind are taken over
     at once. Thread-safe: beats are serialised, the state is one tuple read atomically.
+    ``client`` must not retry commands (the runtime gives it a renewal client): a beat sent
+    twice reads its own value back, a gap as far as the rule can tell.
     """
 
     def __init__(
