@@ -46,6 +46,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import redis
@@ -141,21 +142,26 @@ class Liveness:
         self._state: tuple[int, float, bytes] = (0, float("-inf"), b"")
         self._beats = 0
         self._beat_mutex = threading.Lock()
-        # notified after every successful beat: senders waiting for one (await_vouch)
-        self._beaten = threading.Condition(threading.Lock())
+        # senders waiting for the next beat (await_vouch): each one's own held lock, released
+        # by the beat. No lock shared with them: a sender holding one while it waits for the
+        # GIL among a thousand threads would hold the heartbeat up behind it
+        self._waiters: deque[threading.Lock] = deque()
         self._start_mutex = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
     # --- heartbeat ------------------------------------------------------------------------
 
-    def beat(self) -> bool:
+    def beat(self, *, unless_fresh: bool = False) -> bool:
         """Renew the key once; True on success. A gap since the last success (the key held
         anything but the value that success wrote: missing, or another beat's) starts a
-        new epoch: the locks taken before it are no longer vouched for."""
+        new epoch: the locks taken before it are no longer vouched for. ``unless_fresh``:
+        nothing to do (True) when a beat made while this one waited its turn vouches now."""
         with self._beat_mutex:
             if self._stopping.is_set():
                 return False
+            if unless_fresh and self.current_epoch() is not None:
+                return True
             sent = self._clock()
             # a value no other beat writes: reading it back proves the key never lapsed
             self._beats += 1
@@ -196,11 +202,19 @@ class Liveness:
                     holder=self.holder_id,
                     since_last_beat_s=round(replied - last, 3),
                 )
-            with self._beaten:
-                self._state = (epoch, sent, value)
-                self._beaten.notify_all()
+            self._state = (epoch, sent, value)
+            self._wake_waiters()
             LIVENESS_BEATS.labels("ok").inc()
             return True
+
+    def _wake_waiters(self) -> None:
+        """Release every sender waiting for a beat (after the state they read changed)."""
+        while True:
+            try:
+                waiter = self._waiters.popleft()
+            except IndexError:
+                return
+            waiter.release()  # held since it was queued; each is popped once
 
     def _run(self) -> None:
         delay = self.interval
@@ -229,9 +243,9 @@ class Liveness:
         """Stop beating; with ``forget`` delete the key, so any lock this process still
         holds is taken over at once. Nothing is vouched for afterwards."""
         self._stopping.set()
-        with self._beat_mutex, self._beaten:
+        with self._beat_mutex:
             self._state = (-1, float("-inf"), b"")
-            self._beaten.notify_all()
+            self._wake_waiters()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -267,7 +281,8 @@ class Liveness:
         if self._thread is None and not self._stopping.is_set():
             self.start()
         epoch = self.current_epoch()
-        if epoch is None and not self._stopping.is_set() and self.beat():
+        # one beat for all the takers that found it stale at once, not one each in a row
+        if epoch is None and not self._stopping.is_set() and self.beat(unless_fresh=True):
             epoch = self.current_epoch()
         return epoch
 
@@ -284,14 +299,17 @@ class Liveness:
         sleep without the GIL, so a burst that starved the heartbeat thread also makes way
         for it. No round trip of its own."""
         end = time.monotonic() + timeout
-        with self._beaten:
-            while True:
-                if self.current_epoch() == epoch:
-                    return True
-                left = end - time.monotonic()
-                if self._state[0] != epoch or self._stopping.is_set() or left <= 0:
-                    return False
-                self._beaten.wait(left)
+        while True:
+            # queued before the state is read: a beat that publishes after the read wakes it
+            waiter = threading.Lock()
+            waiter.acquire()
+            self._waiters.append(waiter)
+            if self.current_epoch() == epoch:
+                return True
+            left = end - time.monotonic()
+            if self._state[0] != epoch or self._stopping.is_set() or left <= 0:
+                return False
+            waiter.acquire(timeout=left)
 
 
 # --- what a taker does (a task on contention, the sweeper) -------------------------------------

@@ -247,3 +247,32 @@ def test_each_gap_between_successful_beats_is_observed(parts: Any) -> None:
     assert seen("_count") - count == 2
     assert seen("_sum") - total == pytest.approx(2.25)
     assert seen("_bucket", le="1.0") - late == 1  # the 0.5 s one; the 1.75 s one is above
+
+
+def test_takers_that_find_the_beat_stale_at_once_make_one_beat(parts: Any) -> None:
+    """``epoch_for_acquire`` of many takers at once: the first beats, the others find the
+    state fresh once their turn comes (``beat(unless_fresh=True)``), not one beat each."""
+    live, r, clock = parts
+    live.beat()
+    clock.now += 2.4
+    before = r.sets
+    assert live.beat(unless_fresh=True) and live.beat(unless_fresh=True)
+    assert r.sets - before == 1
+
+
+def test_one_beat_wakes_every_waiting_sender(parts: Any) -> None:
+    live, _, clock = parts
+    live.beat()
+    clock.now += 2.4
+    got: list[bool] = []
+    waiters = [
+        threading.Thread(target=lambda: got.append(live.await_vouch(1, 10.0))) for _ in range(50)
+    ]
+    for w in waiters:
+        w.start()
+    time.sleep(0.2)
+    assert not got  # all waiting
+    live.beat()
+    for w in waiters:
+        w.join(5.0)
+    assert got == [True] * 50
