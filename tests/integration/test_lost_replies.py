@@ -31,9 +31,13 @@ ACCT = "acct-lost-reply"
 
 
 @pytest.fixture
-def proxied(pw_env: PwEnv) -> Iterator[tuple[TcpProxy, redis.Redis]]:
-    with proxied_redis(pw_env.redis_url) as pair:
-        yield pair
+def proxied(
+    pw_env: PwEnv, rt: runtime.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[TcpProxy, AccountLock]]:
+    """The runtime's own lock of ``ACCT``, built on a client behind the reply-losing proxy."""
+    with proxied_redis(pw_env.redis_url) as (proxy, client):
+        monkeypatch.setattr(rt, "redis", client)
+        yield proxy, rt.account_lock(ACCT)
 
 
 def _warm(rt: runtime.Runtime, queue: RedisAccountQueue) -> None:
@@ -46,31 +50,31 @@ def _warm(rt: runtime.Runtime, queue: RedisAccountQueue) -> None:
     assert lock.release(queue.arrival("acct-warm", "b-0"), rt.gateway.account_end("acct-warm"))
 
 
-def _lock(rt: runtime.Runtime, client: redis.Redis) -> AccountLock:
-    s = rt.settings
-    return AccountLock(
-        client,
-        ACCT,
-        engine=rt.autocommit_engine,
-        ttl_ms=s.lock_ttl_ms,
-        safety_margin_ms=s.lock_safety_margin_ms,
-        key_prefix=s.redis_key_prefix,
-        liveness=rt.liveness,
-        renewer=rt.renewer,
-    )
+def _taken_after_a_lost_reply(
+    rt: runtime.Runtime, lock: AccountLock, proxy: TcpProxy, redis_client: redis.Redis
+) -> None:
+    """A plain acquire whose granting command's reply the proxy throws away: the lock is
+    ours all the same, and goes back on release."""
+    try:
+        assert lock.acquire(fence=False)
+        assert not proxy.drop_next_reply.is_set()  # a reply was lost
+        assert holder_of(redis_client.get(rt.keys.lock(ACCT))) == rt.liveness.holder_id
+        lock.ensure_held()
+    finally:
+        assert lock.release()
+    assert not redis_client.exists(rt.keys.lock(ACCT))
 
 
 def test_a_takes_retry_after_its_lost_reply_holds_the_lock(
     rt: runtime.Runtime,
     redis_client: redis.Redis,
-    proxied: tuple[TcpProxy, redis.Redis],
+    proxied: tuple[TcpProxy, AccountLock],
 ) -> None:
-    proxy, client = proxied
+    proxy, lock = proxied
     queue = RedisAccountQueue(rt)
     _warm(rt, queue)
     rider = rt.gateway.account_start(ACCT)  # no token yet: the start takes the refresh lock
     assert rider is not None
-    lock = _lock(rt, client)
     proxy.drop_next_reply.set()
     try:
         assert lock.acquire(arrival=queue.arrival(ACCT, "b-1"), fence=False, rider=rider)
@@ -92,33 +96,24 @@ def test_a_takes_retry_after_its_lost_reply_holds_the_lock(
 def test_a_plain_takes_retry_after_its_lost_reply_holds_the_lock(
     rt: runtime.Runtime,
     redis_client: redis.Redis,
-    proxied: tuple[TcpProxy, redis.Redis],
+    proxied: tuple[TcpProxy, AccountLock],
 ) -> None:
-    proxy, client = proxied
-    lock = _lock(rt, client)
+    proxy, lock = proxied
     rt.liveness.start()
     proxy.drop_next_reply.set()
-    try:
-        assert lock.acquire(fence=False)
-        assert not proxy.drop_next_reply.is_set()
-        assert holder_of(redis_client.get(rt.keys.lock(ACCT))) == rt.liveness.holder_id
-        lock.ensure_held()
-    finally:
-        assert lock.release()
-    assert not redis_client.exists(rt.keys.lock(ACCT))
+    _taken_after_a_lost_reply(rt, lock, proxy, redis_client)
 
 
 def test_a_takeovers_retry_after_its_lost_reply_holds_the_lock(
     rt: runtime.Runtime,
     redis_client: redis.Redis,
-    proxied: tuple[TcpProxy, redis.Redis],
+    proxied: tuple[TcpProxy, AccountLock],
 ) -> None:
     """A dead holder's lock replaced by ``lock_takeover.lua``, whose reply is lost: the
     retry finds the lock holding the taker's own value and answers "taken"."""
-    proxy, client = proxied
+    proxy, lock = proxied
     redis_client.set(rt.keys.lock(ACCT), lock_value("ghost-41-dead0001", "f" * 32), px=30_000)
-    client.script_load(TAKEOVER_LUA)  # the reply lost is of a run, not of a NOSCRIPT
-    lock = _lock(rt, client)
+    rt.redis.script_load(TAKEOVER_LUA)  # the reply lost is of a run, not of a NOSCRIPT
     rt.liveness.start()
     takeover = lock._takeover
 
@@ -127,10 +122,4 @@ def test_a_takeovers_retry_after_its_lost_reply_holds_the_lock(
         return takeover(**kw)
 
     lock._takeover = reply_lost  # type: ignore[method-assign]
-    try:
-        assert lock.acquire(fence=False)
-        assert not proxy.drop_next_reply.is_set()  # a reply was lost
-        assert holder_of(redis_client.get(rt.keys.lock(ACCT))) == rt.liveness.holder_id
-        lock.ensure_held()
-    finally:
-        assert lock.release()
+    _taken_after_a_lost_reply(rt, lock, proxy, redis_client)
