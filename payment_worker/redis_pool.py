@@ -30,6 +30,15 @@ import redis
 # threads per pool lock: a 1,000-slot worker puts about 31 threads on each
 SHARDS = 32
 
+#: errors of a Redis that could not be reached: refused, reset, timed out, still loading. A
+#: command that failed this way may have run on the server (only its reply lost) or not.
+#: The clients here make no retries of their own (redis-py 8 gives a connection built from
+#: a pool's URL none), so the callers decide what a failed round trip means.
+UNREACHABLE: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
+
 
 def driver_info() -> Any:
     """redis-py's client identification (``CLIENT SETINFO``), resolved now, to be shared by

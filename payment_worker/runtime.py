@@ -27,6 +27,7 @@ from payment_worker.domain.retry import Backoff
 from payment_worker.domain.transitions import Policy
 from payment_worker.gateway.client import GatewayClient
 from payment_worker.locks.account_lock import AccountLock
+from payment_worker.locks.giveback import GiveBack
 from payment_worker.locks.liveness import Liveness
 from payment_worker.locks.watchdog import Renewer, renewal_client
 from payment_worker.redis_keys import RedisKeys
@@ -99,6 +100,9 @@ class Runtime:
         self.renewal_redis: redis.Redis = renewal_client(self.redis, s.lock_ttl_ms)
         # one thread renews every lock this process holds, one round trip per tick
         self.renewer = Renewer(self.renewal_redis)
+        # and one retries the releases whose round trip failed (a Redis blip must not keep
+        # an account locked for the rest of the TTL)
+        self.giveback = GiveBack()
         # the producer's dedup window: a slow Redis must not stall submission (Postgres decides)
         self.dedup_redis: redis.Redis = sharded_client(
             self.urls.redis, socket_timeout=1.0, socket_connect_timeout=1.0
@@ -163,12 +167,14 @@ class Runtime:
             max_stall=s.lock_max_stall_seconds,
             liveness=self.liveness,
             renewer=self.renewer,
+            giveback=self.giveback,
         )
 
     def close(self) -> None:
         """Close every client (end of a command, of a test, or of the process). The liveness
         key is deleted: locks this process still holds are taken over at once."""
         self.renewer.close()
+        self.giveback.close()
         self.liveness.stop()
         self.gateway.close()
         for client in self._clients():

@@ -243,12 +243,12 @@ class TcpProxy:
         # when set, the next data Redis sends is read and thrown away (then it is cleared): the
         # command ran, its reply is lost
         self.drop_next_reply = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self._accept, args=(self._server,), daemon=True).start()
 
-    def _accept(self) -> None:
+    def _accept(self, server: socket.socket) -> None:
         while True:
             try:
-                client, _ = self._server.accept()
+                client, _ = server.accept()
             except OSError:
                 return
             with self._lock:
@@ -286,12 +286,22 @@ class TcpProxy:
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
 
+    def reopen(self) -> None:
+        """After :meth:`cut`: accept connections again, on the same port (Redis is back)."""
+        server = socket.create_server(("127.0.0.1", self.port))
+        with self._lock:
+            self._server = server
+            self._cut = False
+        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+
 
 @contextlib.contextmanager
-def proxied_redis(redis_url: str) -> Iterator[tuple[TcpProxy, redis.Redis]]:
+def proxied_redis(redis_url: str, retries: int = 1) -> Iterator[tuple[TcpProxy, redis.Redis]]:
     """A client of ``redis_url``'s database through a :class:`TcpProxy`, already connected
-    (the next reply the proxy sees is the next command's), that retries a command once at
-    once after a timeout: redis-py's default retries, sooner."""
+    (the next reply the proxy sees is the next command's), with a socket timeout of 0.5 s.
+    ``retries``: a failed command is sent again at once that many times (1: what a
+    ``REDIS_URL`` with ``retry_on_timeout=true`` asks for; 0: the runtime's clients by
+    default, which redis-py 8 builds without retries)."""
     url = urlsplit(redis_url)
     proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 6379)
     client = redis.Redis(
@@ -299,7 +309,7 @@ def proxied_redis(redis_url: str) -> Iterator[tuple[TcpProxy, redis.Redis]]:
         db=int(url.path.strip("/") or 0),
         socket_timeout=0.5,
         socket_connect_timeout=0.5,
-        retry=Retry(NoBackoff(), 1),
+        retry=Retry(NoBackoff(), retries),
     )
     try:
         client.ping()

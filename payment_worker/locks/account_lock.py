@@ -42,6 +42,7 @@ from payment_worker import lua
 from payment_worker.db.fences import issue_fence_token
 from payment_worker.errors import LockLost, LockNotAcquired
 from payment_worker.locks.arrival import Arrival, EndRider, Rider
+from payment_worker.locks.giveback import GiveBack
 from payment_worker.locks.liveness import (
     TAKEOVER_LUA,
     Liveness,
@@ -62,6 +63,7 @@ from payment_worker.ops.metrics import (
     LOCK_TAKEOVERS,
 )
 from payment_worker.redis_keys import RedisKeys
+from payment_worker.redis_pool import UNREACHABLE
 
 log = get_logger("locks")
 
@@ -104,6 +106,9 @@ class AccountLock:
 
     ``renewer`` is the process's :class:`Renewer` (the Runtime's: one thread renews every
     held lock); a lock built without one gets its own, whose thread ends with each release.
+    ``giveback`` is the process's :class:`~payment_worker.locks.giveback.GiveBack`: a release
+    (or a take) whose round trip failed is retried there, owner-checked, until Redis answers
+    or the TTL runs out; without one the TTL alone frees such a lock.
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class AccountLock:
         max_stall: float | None = None,
         liveness: Liveness | None = None,
         renewer: Renewer | None = None,
+        giveback: GiveBack | None = None,
     ) -> None:
         self.account_id = account_id
         self.ttl_ms = ttl_ms
@@ -156,6 +162,7 @@ class AccountLock:
             client = renewal_redis if renewal_redis is not None else renewal_client(redis, ttl_ms)
             renewer = Renewer(client, linger=0.0, name=f"lock-renewer-{account_id}")
         self._renewer = renewer
+        self._giveback = giveback
         self._release = redis.register_script(_RELEASE_LUA)
         self._end = redis.register_script(_END_LUA)
         # the process's heartbeat (locks/liveness.py); None: a plain token, freed by TTL only
@@ -211,8 +218,12 @@ class AccountLock:
             token = lock_value(self._liveness.holder_id, token)
         try:
             granted_at = self._take(token, blocking, timeout, started, arrival, rider)
-        except RedisError:
+        except RedisError as exc:
             LOCK_ACQUIRE_SECONDS.labels("error").observe(_clock() - started)
+            if isinstance(exc, UNREACHABLE):
+                # the take may have run and only its reply been lost: a lock nobody knows
+                # it holds would keep the account for the whole TTL
+                self._give_back_later(token)
             raise
         if granted_at is None:
             result = "timeout" if blocking and (timeout is None or timeout > 0) else "busy"
@@ -439,7 +450,8 @@ class AccountLock:
 
         Returns True when the lock was ours and is now free or handed to the oldest
         waiter; False (logged and counted) when it was no longer ours, and False when
-        Redis could not be reached (the TTL frees the lock). With ``arrival``, its mark is
+        Redis could not be reached (the give-back thread then retries the release until
+        Redis answers or the TTL frees the lock). With ``arrival``, its mark is
         read in the same round trip: :attr:`marked`. With ``rider`` (only with ``arrival``:
         a ValueError otherwise), what it gives back goes in that round trip too, before the
         release and whether or not the lock was still ours (``lua/account_end.lua``); lost
@@ -472,16 +484,13 @@ class AccountLock:
                 if extra:
                     self.marked = int(released[-1]) == 1
             code = int(released[0])
-            if code == 2:
-                nxt = _text(released[1])
-                wake = self._keys.lock_wake(self.account_id, nxt)
-                pipe = self._redis.pipeline(transaction=False)
-                pipe.lpush(wake, 1)
-                pipe.pexpire(wake, self.ttl_ms)
-                pipe.execute()
         except RedisError as exc:
             log.warning("lock_release_failed", account_id=self.account_id, error=str(exc))
+            if isinstance(exc, UNREACHABLE):
+                self._give_back_later(token)
             return False
+        if code == 2:
+            self._wake(_text(released[1]))
         if code <= 0:
             LOCK_RELEASE_NOT_OWNER.inc()
             log.warning(
@@ -493,6 +502,34 @@ class AccountLock:
             return False
         log.debug("lock_released", account_id=self.account_id, handed_over=code == 2)
         return True
+
+    def _wake(self, waiter: str) -> None:
+        """Wake the waiter the lock was handed to (a lost wake-up costs it one fallback check
+        of the lock, at most a block's wait: locks/wait_queue.py)."""
+        wake = self._keys.lock_wake(self.account_id, waiter)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.lpush(wake, 1)
+            pipe.pexpire(wake, self.ttl_ms)
+            pipe.execute()
+        except RedisError as exc:
+            log.info("lock_wake_failed", account_id=self.account_id, error=str(exc))
+
+    def _give_back_later(self, token: str) -> None:
+        """Hand the release of ``token`` to the process's give-back thread (the round trip
+        that should have released it, or taken it, failed)."""
+        if self._giveback is None:
+            return  # the TTL frees it
+        keys = self._queue_keys
+
+        def attempt() -> int:
+            released = self._release(keys=keys, args=[token, self.ttl_ms])
+            code = int(released[0])
+            if code == 2:
+                self._wake(_text(released[1]))
+            return code
+
+        self._giveback.add(self.account_id, attempt, self.ttl_ms / 1000)
 
     def __enter__(self) -> AccountLock:
         timeout = self.wait_timeout

@@ -138,7 +138,57 @@ RenewMany = Callable[[list[Lease]], list[object]]
 """Send one batch of renewals; per lease the script's answer or the exception it raised."""
 
 
-class Renewer:
+class DueLoop:
+    """One daemon thread that runs :meth:`_tick` whenever an entry is due, and ends once
+    nothing was registered for ``_linger`` seconds. Subclasses keep the entries, under
+    ``_cond``, and say when the next one is due (:meth:`_next_due`)."""
+
+    _cond: threading.Condition
+    _closed: bool
+    _linger: float
+    _clock: Callable[[], float]
+    _thread: threading.Thread | None
+
+    def _next_due(self) -> float | None:
+        """With ``_cond`` held: when the earliest entry is due; None when there is none."""
+        raise NotImplementedError
+
+    def _tick(self) -> None:
+        """Handle what is due (on the thread, without ``_cond``)."""
+        raise NotImplementedError
+
+    def _start(self, name: str) -> None:
+        """With ``_cond`` held: start the thread if none runs."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._wait_for_due():
+                    self._thread = None
+                    return
+            self._tick()
+
+    def _wait_for_due(self) -> bool:
+        """With ``_cond`` held: wait until an entry is due; False when it is time to end."""
+        while True:
+            if self._closed:
+                return False
+            due = self._next_due()
+            if due is None:
+                self._cond.wait(self._linger)
+                if self._next_due() is None:
+                    return False
+                continue
+            wait = due - self._clock()
+            if wait <= 0:
+                return True
+            self._cond.wait(wait)
+
+
+class Renewer(DueLoop):
     """The registry of held locks and the one thread that renews them (thread-safe).
 
     The thread starts with the first lease and ends once no lease was held for
@@ -186,9 +236,8 @@ class Renewer:
             # object) is renewed all the same: refusing it here would leave it held in Redis
             self._closed = False
             self._leases[id(lease)] = lease
-            if self._thread is None and self._threaded:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+            if self._threaded:
+                self._start(self._name)
             self._cond.notify()
 
     def remove(self, lease: Lease) -> None:
@@ -219,34 +268,19 @@ class Renewer:
 
     # --- the thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._wait_for_due():
-                    self._thread = None
-                    return
-            try:
-                self.tick()
-            except Exception:
-                # a bug must not end renewal silently; each holder's local deadline still
-                # protects it if renewals keep failing
-                log.exception("lock_renewer_tick_failed")
-                time.sleep(0.05)
+    def _next_due(self) -> float | None:
+        if not self._leases:
+            return None
+        return min(lease.due for lease in self._leases.values())
 
-    def _wait_for_due(self) -> bool:
-        """With the condition held: wait until some lease is due; False when it is time to end."""
-        while True:
-            if self._closed:
-                return False
-            if not self._leases:
-                self._cond.wait(self._linger)
-                if not self._leases:
-                    return False
-                continue
-            wait = min(lease.due for lease in self._leases.values()) - self._clock()
-            if wait <= 0:
-                return True
-            self._cond.wait(wait)
+    def _tick(self) -> None:
+        try:
+            self.tick()
+        except Exception:
+            # a bug must not end renewal silently; each holder's local deadline still
+            # protects it if renewals keep failing
+            log.exception("lock_renewer_tick_failed")
+            time.sleep(0.05)
 
     def tick(self) -> float | None:
         """Renew every lease due now (one round trip); the seconds until the next one is due,

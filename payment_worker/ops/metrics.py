@@ -196,6 +196,7 @@ TASK_RESULTS = (
     "fenced_out",
     "missing",
     "db_unavailable",
+    "redis_unavailable",
 )
 SUBMIT_RESULTS = ("accepted", "duplicate", "rejected")
 

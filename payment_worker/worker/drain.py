@@ -41,6 +41,7 @@ from payment_worker.ops.metrics import (
     TRANSACTION_RETRIES,
     TRANSACTIONS_FINISHED,
 )
+from payment_worker.redis_pool import UNREACHABLE
 from payment_worker.runtime import Runtime
 from payment_worker.worker.item_step import log_outcome, step_item
 from payment_worker.worker.ports import AccountQueue, Gateway, Guard, HeldLock, WorkStore
@@ -55,7 +56,8 @@ class DrainReport:
     """What one task execution did."""
 
     account_id: str
-    # processed | idle | contended | lock_lost | fenced_out | missing | db_unavailable
+    # processed | idle | contended | lock_lost | fenced_out | missing | db_unavailable |
+    # redis_unavailable
     result: str = "idle"
     items: int = 0
     finished: dict[str, int] = field(default_factory=dict)
@@ -441,6 +443,15 @@ def run_batch_task(
             # find no marker of a message that has already arrived
             clear_schedule(rt, account_id, scheduled_due_ms)
         return run_account(account_id, batch_id, rt)
+    except UNREACHABLE as exc:
+        # Redis (locks, liveness, pacing, marks) could not be reached: nothing is wrong with
+        # the batch, so no crash record for on-call. Postgres keeps every item where it was
+        # (one whose send may have left stays dispatching, looked up before any resend); a
+        # lock this task took or held is given back by the process's give-back thread; the
+        # sweeper sends the account again once Redis answers and the account is stale.
+        log.warning("redis_unavailable", batch_id=batch_id, error=str(exc))
+        TASK_EXECUTIONS.labels("redis_unavailable").inc()
+        return DrainReport(account_id=account_id, result="redis_unavailable")
     finally:
         reset_contextvars(**bound)
 

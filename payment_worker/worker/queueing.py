@@ -14,6 +14,7 @@ from typing import Any
 from payment_worker import lua
 from payment_worker.locks.arrival import Arrival
 from payment_worker.ops.logging import get_logger
+from payment_worker.redis_pool import UNREACHABLE
 from payment_worker.runtime import Runtime
 from payment_worker.worker.celery_app import app
 
@@ -192,8 +193,13 @@ class RedisAccountQueue:
         )
 
     def announced(self, account_id: str) -> bool:
-        """Whether a task left the mark again."""
-        return bool(self._rt.redis.exists(self._rt.keys.waiting(account_id)))
+        """Whether a task left the mark again; False when Redis cannot be reached (a task
+        that left one ended ``contended``: the sweeper sends its account again once stale)."""
+        try:
+            return bool(self._rt.redis.exists(self._rt.keys.waiting(account_id)))
+        except UNREACHABLE as exc:
+            log.warning("mark_unread", account_id=account_id, error=str(exc))
+            return False
 
     def hand_off(self, account_id: str, batch_id: str) -> None:
         """See :func:`hand_off`."""

@@ -13,102 +13,21 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from payment_worker import runtime
-from payment_worker.dev.local_cluster import LocalCluster, free_port
-from payment_worker.dev.reconcile import reconcile
-from payment_worker.dev.samples import make_batches
-from payment_worker.producer.submit import submit_batch
 from payment_worker.settings import Settings
+from tests.blips import assert_nothing_lost_or_doubled, run_with_fault, series
 from tests.conftest import PwEnv, ServiceUrls, _with_db
-from tests.db_watch import scrape, terminate_backends, wait_terminal
+from tests.db_watch import terminate_backends
 
 # run alone, after the parallel part of `make test`: it restarts the embedded PostgreSQL: every
 # other session's connections would die
 pytestmark = pytest.mark.exclusive
-
-
-def _run(
-    pw_env: PwEnv,
-    tmp_path: Path,
-    *,
-    accounts: int,
-    items: int,
-    fault: Callable[[int], None],
-    env: dict[str, str] | None = None,
-    latency_ms: int = 20,
-) -> dict[str, Any]:
-    """Submit, start one worker, run ``fault(worker_pid)`` in a thread while it drains, and
-    collect what the assertions need."""
-    port = free_port()
-    full_env = {
-        **os.environ,
-        "METRICS_PORT": str(port),
-        "DB_POOL_SIZE": "4",
-        "GATEWAY_RATE_PER_SECOND": "100",
-        "SWEEPER_INTERVAL": "2",
-        "SWEEPER_STALE_AFTER": "10",
-        "PROCESS_CHUNK_SIZE": "5",
-        **(env or {}),
-    }
-    total = accounts * items
-    with LocalCluster(workdir=tmp_path, env=full_env, concurrency=16) as cluster:
-        cluster.start_simulator(rate=100, latency_ms=latency_ms)
-        for b in make_batches(batches=accounts, items=items, accounts=accounts, prefix="blip"):
-            assert submit_batch(b).status == "accepted"
-        runtime.reset()  # this process's pool must not sit on connections the faults kill
-        worker = cluster.start_worker()
-        # the fault starts once the drain is under way (a tenth of the items finished)
-        wait_terminal(pw_env.database_url, total // 10, timeout=120)
-        faulting = threading.Thread(target=fault, args=(worker.pid,), daemon=True)
-        faulting.start()
-        counts = wait_terminal(pw_env.database_url, total, timeout=240)
-        faulting.join(60)
-        metrics = scrape(port)
-        ledger = cluster.ledger()
-        log = (tmp_path / "worker1.log").read_text(errors="replace")
-    with psycopg.connect(pw_env.database_url, autocommit=True) as db:
-        row = db.execute("SELECT count(*) FROM dead_letters").fetchone()
-    with runtime.current().engine.connect() as conn:
-        rec = reconcile(conn, ledger)
-    return {
-        "total": total,
-        "counts": counts,
-        "metrics": metrics,
-        "ledger": ledger,
-        "log": log,
-        "dead_letters": row[0] if row else None,
-        "reconcile": rec,
-    }
-
-
-def _series(metrics: dict[Any, float], name: str) -> dict[str, float]:
-    """One counter's samples by its only label's value."""
-    out: dict[str, float] = {}
-    for (n, labels), value in metrics.items():
-        if n == name and value > 0:  # label values may be preset at 0
-            out[",".join(v for _, v in labels)] = value
-    return out
-
-
-def _assert_nothing_lost_or_doubled(out: dict[str, Any]) -> None:
-    counts, log = out["counts"], out["log"]
-    assert counts.get("succeeded", 0) == out["total"], (counts, log[-4000:])
-    assert out["reconcile"].ok, out["reconcile"].summary()
-    assert out["ledger"]["double_payments"] == []
-    assert max(out["ledger"]["sends"].values()) == 1
-    # no task failed: Celery logged no failure, the crash hooks wrote no dead letter
-    assert "raised unexpected" not in log, log[-4000:]
-    assert out["dead_letters"] == 0
 
 
 def test_killed_connections_are_retried_inside_the_drain(
@@ -124,15 +43,15 @@ def test_killed_connections_are_retried_inside_the_drain(
             killed.append(terminate_backends(admin, pid))
             time.sleep(0.25)
 
-    out = _run(pw_env, tmp_path, accounts=20, items=40, fault=kill_backends)
-    _assert_nothing_lost_or_doubled(out)
+    out = run_with_fault(pw_env, tmp_path, accounts=20, items=40, fault=kill_backends)
+    assert_nothing_lost_or_doubled(out)
     assert sum(killed) >= 10, killed
-    retries = _series(out["metrics"], "payment_worker_db_retries_total")
+    retries = series(out["metrics"], "payment_worker_db_retries_total")
     assert sum(retries.values()) > 0, retries
     assert set(retries) <= {"admin_shutdown", "disconnect", "connection"}, retries
     assert "db_retry" in out["log"]
     # nothing needed handing back: every blip was shorter than DB_RETRY_MAX_SECONDS
-    executions = _series(out["metrics"], "payment_worker_task_executions_total")
+    executions = series(out["metrics"], "payment_worker_task_executions_total")
     assert executions.get("db_unavailable", 0) == 0, executions
     print(f"\n{sum(killed)} backends killed; retries {retries}; executions {executions}")
 
@@ -154,7 +73,7 @@ def test_past_the_bound_the_account_is_handed_back_and_resumes(
             conn.execute(f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true')
             outage.append(time.monotonic() - t0)
 
-    out = _run(
+    out = run_with_fault(
         pw_env,
         tmp_path,
         accounts=10,
@@ -164,8 +83,8 @@ def test_past_the_bound_the_account_is_handed_back_and_resumes(
         latency_ms=50,
     )
     assert outage and outage[0] >= 5.0
-    _assert_nothing_lost_or_doubled(out)
-    executions = _series(out["metrics"], "payment_worker_task_executions_total")
+    assert_nothing_lost_or_doubled(out)
+    executions = series(out["metrics"], "payment_worker_task_executions_total")
     # the holders gave their accounts back (released, re-enqueued) instead of failing
     assert executions.get("db_unavailable", 0) > 0, executions
     assert "db_retry_exhausted" in out["log"] and "db_unavailable" in out["log"]
@@ -201,9 +120,9 @@ def test_a_postgres_restart_costs_a_pause_not_a_task(
         embedded.postgres_url(home, Settings().embedded_pg_os_user)  # starts it again
         restarted.append(time.monotonic() - t0)
 
-    out = _run(pw_env, tmp_path, accounts=20, items=40, fault=restart, latency_ms=50)
+    out = run_with_fault(pw_env, tmp_path, accounts=20, items=40, fault=restart, latency_ms=50)
     assert restarted, "the server was not restarted"
-    _assert_nothing_lost_or_doubled(out)
-    retries = _series(out["metrics"], "payment_worker_db_retries_total")
+    assert_nothing_lost_or_doubled(out)
+    retries = series(out["metrics"], "payment_worker_db_retries_total")
     assert sum(retries.values()) > 0, retries
     print(f"\nrestart took {restarted[0]:.1f}s; retries {retries}")
