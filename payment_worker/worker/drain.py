@@ -305,7 +305,9 @@ class Drainer:
         given_back: list[ItemOutcome] = []
         end = _ChunkEnd()
         ran_to_end = False
-        guard = _progress_guard(lock)
+        # whether a request for the item being stepped passed its guard (may have left)
+        passed = [False]
+        guard = _progress_guard(lock, passed)
         try:
             for index, item in enumerate(items):
                 if self._stopping():
@@ -318,9 +320,18 @@ class Drainer:
                 bound = bind_contextvars(
                     transaction_id=item.transaction_id, attempt=item.attempts, fence_token=token
                 )
+                passed[0] = False
                 try:
                     outcome = step_item(self._gateway, self._policy, guard, item)
                     log_outcome(outcome.decision)
+                except LockLost:
+                    # the lock went before one of this item's requests could leave: the items
+                    # after it were never tried, nor this one if none of its requests passed
+                    # the guard. They are given back untouched (the write is fenced: it lands
+                    # only while no newer holder exists), so the next holder sends them
+                    # without a lookup and their claimed attempts are not spent
+                    given_back = [_untouched(i) for i in items[index + passed[0] :]]
+                    raise
                 finally:
                     reset_contextvars(**bound)
                 outcomes.append(outcome)
@@ -369,17 +380,20 @@ class Drainer:
 
 
 def _untouched(item: ClaimedItem) -> ItemOutcome:
-    """A claimed item given back at shutdown: its claimed attempt is given back too."""
+    """A claimed item given back untouched (at a shutdown, or a lock lost before any of its
+    requests left): its claimed attempt is given back too."""
     attempts = item.attempts - (item.status is TxStatus.DISPATCHING)
     return ItemOutcome(item.id, attempts, item.lookups, handed_back(item.status))
 
 
-def _progress_guard(lock: HeldLock) -> Guard:
+def _progress_guard(lock: HeldLock, passed: list[bool]) -> Guard:
     """The check before each send: the lock must still be ours; a request about to leave
-    is progress (a holder only waiting on the gateway's pacing or token is never stalled)."""
+    is progress (a holder only waiting on the gateway's pacing or token is never stalled).
+    ``passed[0]`` is set once a request passed it."""
 
     def guard() -> None:
         lock.ensure_held()
+        passed[0] = True
         lock.progress()
 
     return guard

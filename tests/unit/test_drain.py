@@ -169,10 +169,63 @@ def test_a_lock_lost_mid_chunk_stops_sends_and_writes_what_was_learnt(w: World) 
     report = w.run()
     assert report.result == "lock_lost"  # type: ignore[attr-defined]
     assert len(w.gateway.calls) == 2  # the third guard stopped the third send
-    # the two answers were written (fenced: no newer holder exists); the rest stay dispatching
-    # for the next holder to look up
-    assert [len(batch) for batch in w.store.writes] == [2]
-    assert [r.status for r in rows] == [TxStatus.SUCCEEDED] * 2 + [TxStatus.DISPATCHING] * 3
+    # the two answers were written, and the three items never tried given back untouched
+    # (fenced: it lands only while no newer holder exists): due now, their claimed attempt
+    # returned, not "dispatching", so the next holder sends them without a lookup
+    assert [len(batch) for batch in w.store.writes] == [5]
+    assert [r.status for r in rows] == [TxStatus.SUCCEEDED] * 2 + [TxStatus.RETRYABLE] * 3
+    assert all(r.attempts == 0 and r.due_at <= w.clock() for r in rows[2:])
+    # the next holder pays each once, with no lookup
+    w.gateway.on_call = None
+    w.run()
+    assert w.store.statuses() == {"succeeded": 5}
+    assert all(w.gateway.paid[r.key] == 1 for r in rows)
+    assert not any(kind == "lookup" for kind, _ in w.gateway.calls)
+
+
+def test_a_lock_lost_between_two_requests_of_an_item_leaves_that_item_in_doubt(
+    w: World,
+) -> None:
+    """An item in doubt was looked up (404: never arrived) and the lock went before its send:
+    a request of that item passed the guard, so it is not given back (it stays in doubt, looked
+    up again before any send); only the items after it are."""
+    in_doubt = w.store.add(ACCT, 1, 1, status=TxStatus.UNKNOWN, attempts=1)[0]
+    rows = w.store.add(ACCT, 1, 2)
+    lookup = w.gateway.lookup_payment
+
+    def lookup_then_lose(*args: Any, **kw: Any) -> Any:
+        got = lookup(*args, **kw)
+        w.locks[-1].lost = True  # the send's guard, next, fails
+        return got
+
+    w.gateway.lookup_payment = lookup_then_lose  # type: ignore[method-assign]
+    report = w.run()
+    assert report.result == "lock_lost"  # type: ignore[attr-defined]
+    assert w.gateway.calls == [("lookup", in_doubt.key)]
+    assert in_doubt.status is TxStatus.UNKNOWN and in_doubt.attempts == 1
+    assert all(r.status is TxStatus.RETRYABLE and r.attempts == 0 for r in rows)
+
+
+def test_a_lock_lost_before_the_first_send_gives_the_whole_claim_back(w: World) -> None:
+    """A holder stalled between its lock check and its first claim (a pause, a wait for a
+    pooled connection) and lost its lock meanwhile: its claim landed (the newest token), but
+    nothing of it was sent. Given back, the claim spends no attempt and leaves nothing in
+    doubt; an item it claimed for a lookup stays in doubt."""
+    rows = w.store.add(ACCT, 1, 3)
+    in_doubt = w.store.add(ACCT, 1, 1, status=TxStatus.UNKNOWN, attempts=1)[0]
+    claim = w.store.fence_and_claim
+
+    def claim_then_lose(*args: Any, **kw: Any) -> Any:
+        got = claim(*args, **kw)
+        w.locks[-1].lost = True
+        return got
+
+    w.store.fence_and_claim = claim_then_lose  # type: ignore[method-assign]
+    report = w.run()
+    assert report.result == "lock_lost"  # type: ignore[attr-defined]
+    assert w.gateway.calls == []
+    assert all(r.status is TxStatus.RETRYABLE and r.attempts == 0 for r in rows)
+    assert in_doubt.status is TxStatus.UNKNOWN and in_doubt.attempts == 1
 
 
 def test_a_replaced_holder_writes_nothing_and_counts_one_rejection(w: World) -> None:
