@@ -18,6 +18,7 @@ to a process's :class:`~payment_worker.runtime.Runtime`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -308,6 +309,7 @@ class Drainer:
         # whether a request for the item being stepped passed its guard (may have left)
         passed = [False]
         guard = _progress_guard(lock, passed)
+        lost = False
         try:
             for index, item in enumerate(items):
                 if self._stopping():
@@ -331,6 +333,7 @@ class Drainer:
                     # only while no newer holder exists), so the next holder sends them
                     # without a lookup and their claimed attempts are not spent
                     given_back = [_untouched(i) for i in items[index + passed[0] :]]
+                    lost = True
                     raise
                 finally:
                     reset_contextvars(**bound)
@@ -351,6 +354,12 @@ class Drainer:
                     _, _, end.claim = store.record_and_claim(
                         account_id, token, outcomes, ended, self._limits.chunk_size
                     )
+                elif lost and not outcomes:
+                    # only items never tried, after a lost lock: a newer holder may have them
+                    # already, and then this fenced write is refused as it should be. Not a
+                    # rejection to count or report: the lock loss is
+                    with contextlib.suppress(FencedOut):
+                        store.record_outcomes(account_id, token, given_back)
                 else:
                     store.record_outcomes(account_id, token, outcomes + given_back)
                 lock.progress()

@@ -486,3 +486,27 @@ def test_a_drain_that_starts_during_shutdown_hands_back_at_once(w: World) -> Non
     report = w.run()
     assert w.gateway.calls == [] and report.handed_off  # type: ignore[attr-defined]
     assert w.queue.handed_off == [(ACCT, "batch-1")] and w.holders == {}
+
+
+def test_a_give_back_refused_by_a_newer_holder_is_not_counted_as_a_rejection(
+    w: World,
+) -> None:
+    """The lock went and another holder took the account (a newer token) before this one's
+    first send: its give-back is fenced out, as it should be. That is the lock loss, reported
+    once as such, not a fencing rejection besides (no second alert for one stall)."""
+    rows = w.store.add(ACCT, 1, 3)
+    claim = w.store.fence_and_claim
+
+    def claim_then_be_replaced(*args: Any, **kw: Any) -> Any:
+        got = claim(*args, **kw)
+        w.locks[-1].lost = True
+        w.store.fences[ACCT] += 1  # the newer holder's token
+        return got
+
+    w.store.fence_and_claim = claim_then_be_replaced  # type: ignore[method-assign]
+    before = REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") or 0.0
+    report = w.run()
+    assert report.result == "lock_lost"  # type: ignore[attr-defined]
+    assert REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") == before
+    assert w.gateway.calls == [] and w.store.writes == []
+    assert all(r.status is TxStatus.DISPATCHING for r in rows)  # the newer holder's to look up
