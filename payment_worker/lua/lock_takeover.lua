@@ -7,8 +7,10 @@
 --
 -- Returns 1 when the lock still held exactly ARGV[1] and now holds ARGV[2] (or is gone),
 -- or already holds ARGV[2]: this very takeover ran and its reply was lost (the client's
--- retry; a taker's value is unique to one acquisition); 0 when it changed meanwhile
--- (released, handed over, taken by someone else): untouched.
+-- retry; a taker's value is unique to one acquisition), or, to delete, finds no lock at all:
+-- the account is free as asked (this delete ran and its reply was lost, or the lock expired
+-- or was released meanwhile; a repair message then costs at most one idle run); 0 when it
+-- holds another value (handed over, taken by someone else): untouched.
 -- The holder's liveness key lives in another Redis Cluster slot, so the caller checks it
 -- with a separate read before; the exact value compare makes that safe (docs/locks.md).
 local current = redis.call('GET', KEYS[1])
@@ -16,6 +18,9 @@ if ARGV[2] ~= '' and current == ARGV[2] then
   return 1
 end
 if current ~= ARGV[1] then
+  if ARGV[2] == '' and not current then
+    return 1
+  end
   return 0
 end
 if ARGV[2] == '' then

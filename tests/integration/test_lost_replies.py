@@ -28,7 +28,7 @@ import redis
 from payment_worker import runtime
 from payment_worker.locks.account_lock import AccountLock
 from payment_worker.locks.giveback import FIRST_DELAY, GiveBack
-from payment_worker.locks.liveness import TAKEOVER_LUA, holder_of, lock_value
+from payment_worker.locks.liveness import TAKEOVER_LUA, holder_of, lock_value, take_over
 from payment_worker.worker.queueing import RedisAccountQueue
 from tests.conftest import PwEnv
 from tests.lock_helpers import TcpProxy, proxied_redis
@@ -217,3 +217,28 @@ def test_a_give_back_never_touches_a_lock_that_is_no_longer_ours(
     _run_give_back(giveback)
     assert len(giveback) == 0
     assert redis_client.get(rt.keys.lock(ACCT)) == other.encode()
+
+
+def test_a_sweepers_takeover_retried_after_its_lost_reply_frees_the_account(
+    rt: runtime.Runtime,
+    redis_client: redis.Redis,
+    proxied: tuple[TcpProxy, AccountLock],
+) -> None:
+    """The sweeper deletes a dead holder's lock (``lock_takeover.lua`` with no new value) and
+    the reply is lost: the retry finds no lock, which is what it asked for, and answers done.
+    Before, it answered "changed meanwhile": the sweeper counted the account busy and left it
+    until its next stale period."""
+    proxy, _ = proxied
+    key = rt.keys.lock(ACCT)
+    dead = lock_value("ghost-41-dead0001", "f" * 32)
+    redis_client.set(key, dead, px=30_000)
+    rt.redis.script_load(TAKEOVER_LUA)  # the reply lost is of a run, not of a NOSCRIPT
+    proxy.drop_next_reply.set()
+    assert take_over(rt.redis, key, dead)
+    assert not proxy.drop_next_reply.is_set()  # a reply was lost
+    assert not redis_client.exists(key)
+    # another value is still never touched
+    other = lock_value("live-7-live0001", "e" * 32)
+    redis_client.set(key, other, px=30_000)
+    assert not take_over(rt.redis, key, dead)
+    assert redis_client.get(key) == other.encode()
