@@ -222,7 +222,8 @@ class Settings(BaseSettings):
     # --- producer -------------------------------------------------------------------------
     dedup_window_seconds: int = Field(60, gt=0)
     max_items_per_batch: int = Field(10_000, ge=1)
-    max_amount: int = Field(10**15, gt=0)
+    # at most what the amount column (bigint) holds
+    max_amount: int = Field(10**15, gt=0, le=2**63 - 1)
 
     # --- observability --------------------------------------------------------------------
     # 9808 is celery-exporter's default: ours must not collide with it on one host

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -72,3 +73,14 @@ def guarded(body: Callable[[], int]) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader of the output went away (``| head``): one line, not a traceback, and
+        # stdout pointed at /dev/null so that Python's exit-time flush cannot raise again
+        closed_output()
+        print("payment-worker: the output was closed; stopped", file=sys.stderr)
+        return 1
+
+
+def closed_output() -> None:
+    """Point stdout at /dev/null after a ``BrokenPipeError`` (its reader went away)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

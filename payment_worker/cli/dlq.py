@@ -44,7 +44,11 @@ log = get_logger("dlq")
 
 REASONS = (*(r.value for r in DeadReason), store.TASK_CRASHED)
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")
+# the longest --since taken: a century (Postgres's interval arithmetic refuses far more)
+_MAX_SINCE = 100 * 365 * 86400.0
+# dead-letter ids are Postgres bigints
+_MAX_ID = 2**63 - 1
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,7 +62,10 @@ def parse_duration(value: str) -> float:
     m = _DURATION.match(value)
     if m is None:
         raise BadInput(f"malformed --since {value!r}: use e.g. 90s, 15m, 1h, 2d")
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    if seconds > _MAX_SINCE:
+        raise BadInput(f"--since {value!r} is longer than a century")
+    return seconds
 
 
 def _age(seconds: float | None) -> str:
@@ -113,8 +120,9 @@ def _guard(cmd: str) -> Callable[[F], F]:
             except embedded.EmbeddedError as exc:
                 _fail(cmd, str(exc))
             except SQLAlchemyError as exc:
-                # the database is down or refused: not bad input, and nothing half-done (each
-                # item is one statement)
+                # the database is down or refused: not bad input. Nothing is half-done: each
+                # item is one statement, and replay and resolve report each item as it ran, so
+                # the lines above this one are the items that were changed
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
                 _fail(cmd, f"database error: {redact(first)}", 1)
 
@@ -140,7 +148,8 @@ def _check_reason(reason: str | None) -> None:
 def _ids(values: Sequence[str]) -> list[int]:
     out: list[int] = []
     for v in values:
-        if not v.isdigit():
+        # ASCII digits only: str.isdigit() also takes "²", which int() refuses
+        if not (v.isascii() and v.isdigit()) or int(v) > _MAX_ID:
             raise BadInput(f"not a dead-letter id: {v!r}")
         out.append(int(v))
     return list(dict.fromkeys(out))
@@ -381,13 +390,25 @@ def replay_cmd(
             if not ok:
                 _fail("replay", "not confirmed; nothing replayed", 1)
         by = _who(None)
-        results = [store.replay(conn, d.id, trust, by) for d in targets]
-    reasons = {d.id: d.reason for d in targets}
-    enqueued: set[str] = set()
-    counts: Counter[str] = Counter()
-    for r in results:
-        counts[r.result] += 1
-        if r.result == store.REPLAYED:
+        reasons = {d.id: d.reason for d in targets}
+        enqueued: set[str] = set()
+        counts: Counter[str] = Counter()
+        results = []
+        # each item is its own statement, reported (line, log, metric, enqueue) as soon as it
+        # ran: a database error part-way stops the run with every item before it shown
+        for d in targets:
+            r = store.replay(conn, d.id, trust, by)
+            results.append(r)
+            counts[r.result] += 1
+            if r.result != store.REPLAYED:
+                log.warning(
+                    "dead_letter_replay_refused",
+                    dead_letter_id=r.dead_letter_id,
+                    result=r.result,
+                    detail=r.detail,
+                )
+                click.echo(f"{r.dead_letter_id}: not replayed: {r.detail}")
+                continue
             DEAD_LETTERS_REPLAYED.labels(reasons[r.dead_letter_id]).inc()
             log.info(
                 "dead_letter_replayed",
@@ -405,14 +426,6 @@ def replay_cmd(
                 except Exception as exc:
                     note = f" (enqueue failed, the sweeper will pick it up: {exc})"
             click.echo(f"{r.dead_letter_id}: replayed, account {r.account_id}: {r.detail}{note}")
-        else:
-            log.warning(
-                "dead_letter_replay_refused",
-                dead_letter_id=r.dead_letter_id,
-                result=r.result,
-                detail=r.detail,
-            )
-            click.echo(f"{r.dead_letter_id}: not replayed: {r.detail}")
     summary = ", ".join(f"{k}={n}" for k, n in sorted(counts.items()))
     click.echo(f"{len(results)} item(s): {summary}; {len(enqueued)} batch(es) enqueued")
     if counts[store.REPLAYED] != len(results):

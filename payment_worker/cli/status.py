@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 from collections import Counter
 from collections.abc import Iterable
@@ -24,7 +23,7 @@ from typing import TextIO
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from payment_worker.cli.common import Context
+from payment_worker.cli.common import Context, closed_output
 from payment_worker.domain.statuses import TxStatus
 from payment_worker.ops.redaction import redact
 from payment_worker.producer.status import BatchStatus, item_json, shown_error, stream_batches
@@ -121,7 +120,7 @@ def status(args: argparse.Namespace, ctx: Context) -> int:
     except BrokenPipeError:
         # the reader went away (``| head``): stop quietly, and keep Python's exit-time flush
         # from raising again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        closed_output()
         return 1
     found = set(seen)
     missing = [b for b in wanted or [] if b not in found]

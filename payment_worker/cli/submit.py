@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from payment_worker.cli.common import Context
+from payment_worker.cli.common import Context, closed_output
 from payment_worker.domain import batch_schema as schemas
 from payment_worker.errors import PaymentWorkerError
 
@@ -112,8 +112,9 @@ def submit(args: argparse.Namespace, ctx: Context) -> int:
             except SQLAlchemyError as exc:
                 where = doc.get("batch_id") if isinstance(doc, dict) else None
                 print(
-                    f"payment-worker submit: database error at batch {where!r}, "
-                    f"it and the batches after it were not submitted: {exc}",
+                    f"payment-worker submit: database error at batch {where!r}: it was most "
+                    "likely not saved, and the batches after it were not tried (submitting "
+                    f"them again is safe: a saved batch answers duplicate): {exc}",
                     file=sys.stderr,
                 )
                 return 1
@@ -126,5 +127,15 @@ def submit(args: argparse.Namespace, ctx: Context) -> int:
                 )
         if result.status == "rejected":
             rc = 2
-        print(json.dumps(result.to_json(), ensure_ascii=False), flush=True)
+        try:
+            print(json.dumps(result.to_json(), ensure_ascii=False), flush=True)
+        except BrokenPipeError:
+            closed_output()
+            print(
+                f"payment-worker submit: the output was closed after batch "
+                f"{result.batch_id!r} was {result.status} (its line could not be written); "
+                "the batches after it were not submitted",
+                file=sys.stderr,
+            )
+            return 1
     return rc

@@ -60,6 +60,10 @@ def _identifier(value: str) -> str:
     # "tx-1" and "tx-1 " would be two different transactions: refuse the ambiguity
     if value != value.strip():
         raise ValueError("must not start or end with whitespace")
+    # an account id is a segment of the gateway's URL paths, and "." or ".." there is a dot
+    # segment that a proxy or the gateway may resolve to another path (RFC 3986, 5.2.4)
+    if value in (".", ".."):
+        raise ValueError('must not be "." or ".."')
     return value
 
 

@@ -75,7 +75,9 @@ def submit_batch(
     was submitted before, nothing changes. ``rejected``: invalid, or in conflict with what
     exists (see ``errors``); nothing is persisted. With ``enqueue=False`` nothing is
     published and the sweeper picks the batch up. Database errors propagate: the batch
-    was then not submitted.
+    was most likely not saved, but a connection lost after its statement committed leaves
+    it saved (and enqueued by the sweeper); submitting it again is safe either way (it is
+    ``duplicate`` if it was saved).
     """
     result, _ = submit_one(batch, runtime or current_runtime(), enqueue=enqueue)
     return result

@@ -67,6 +67,12 @@ def test_list_and_show(pw_env: PwEnv, db_conn: psycopg.Connection[Any]) -> None:
         ("resolve", "1", "--note", "x"),
         ("resolve", "1", "--as", "maybe", "--note", "x"),
         ("replay",),
+        # digits int() refuses, an id past bigint, a span past Postgres's intervals: each
+        # was a traceback or a "database error" (exit 1) before
+        ("show", "\u00b2"),
+        ("replay", "\u0663"),
+        ("show", "9" * 30),
+        ("list", "--since", "999999999999w"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -253,3 +253,35 @@ def test_the_example_file_is_accepted(pw_env: PwEnv, db_conn: psycopg.Connection
         "SELECT count(*) FROM transactions WHERE beneficiary->>'account_number' LIKE 'REJECT%'"
     ).fetchone()
     assert declined == (1,)
+
+
+def test_a_closed_output_stops_with_one_line_naming_the_last_batch(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """``submit FILE | head -1``: the reader goes away after the first line. Before, a
+    traceback and exit 1 with no word on which batches were saved."""
+    path = tmp_path / "many.jsonl"
+    path.write_text(
+        "\n".join(json.dumps(make_batch(f"p-{i:03d}", account=f"a-{i}", n=1)) for i in range(300))
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "payment_worker.cli", "submit", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env=dict(os.environ),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    assert json.loads(first)["status"] == "accepted"
+    proc.stdout.close()  # what `head -1` does once it has its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1, err
+    assert "Traceback" not in err
+    # (the rest of stderr is the log stream)
+    said = [line for line in err.splitlines() if line.startswith("payment-worker")]
+    assert len(said) == 1 and "the output was closed after batch 'p-" in said[0], err
+    last = said[0].split("after batch '", 1)[1].split("'", 1)[0]
+    # that batch and every one before it were saved; none after it was tried
+    saved = [r[0] for r in db_conn.execute("SELECT batch_id FROM batches ORDER BY batch_id")]
+    assert saved == [f"p-{i:03d}" for i in range(int(last[2:]) + 1)]

@@ -84,7 +84,8 @@ def test_currency_is_three_upper_case_letters(currency: Any) -> None:
 
 @pytest.mark.parametrize(
     "value",
-    ["", " lead", "trail ", "tab\there", "nl\n", "x" * 129, 42, None, ["a"]],
+    # "." and "..": an account id is a segment of the gateway's URL paths (dot segments)
+    ["", " lead", "trail ", "tab\there", "nl\n", "x" * 129, 42, None, ["a"], ".", ".."],
     ids=repr,
 )
 @pytest.mark.parametrize("field", ["batch_id", "account_id"])
@@ -92,9 +93,14 @@ def test_identifiers_are_non_empty_printable_bounded_strings(field: str, value: 
     assert paths(batch(**{field: value})) == [f"$.{field}"]
 
 
-@pytest.mark.parametrize("value", ["", "x" * 129, 7, "a\u0000b"], ids=repr)
+@pytest.mark.parametrize("value", ["", "x" * 129, 7, "a\u0000b", ".."], ids=repr)
 def test_transaction_id_is_checked_like_the_other_ids(value: Any) -> None:
     assert paths(batch(item(tx=value))) == ["$.items[0].transaction_id"]
+
+
+def test_dots_are_fine_inside_an_identifier() -> None:
+    b = parse_batch(batch(item(tx="..tx.1"), account_id="acct.42", batch_id="..."), **LIMITS)
+    assert (b.account_id, b.batch_id, b.items[0].transaction_id) == ("acct.42", "...", "..tx.1")
 
 
 def test_identifier_limits_are_inclusive() -> None:

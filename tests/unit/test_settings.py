@@ -28,6 +28,7 @@ def test_defaults_are_sane(monkeypatch: pytest.MonkeyPatch) -> None:
         ("LOCK_TTL_MS", "-5"),
         ("GATEWAY_URL", "ftp://x"),
         ("METRICS_PORT", "70000"),
+        ("MAX_AMOUNT", str(2**63)),  # past the amount column's bigint
     ],
 )
 def test_bad_value_names_the_variable(
