@@ -200,15 +200,26 @@ def after_lookup(
     lookups: int,
     doubt_age: float | None,
     policy: Policy,
+    request: PaymentRequest | None = None,
 ) -> Decision:
     """Next state after ``lookup_payment`` of an item in doubt.
 
     ``lookups`` counts this lookup if it reached the gateway; ``doubt_age`` is the age of
     the oldest send in doubt (None: nothing recorded; the claim dates every item it takes
-    for a lookup, so the drain never passes None).
+    for a lookup, so the drain never passes None). With ``request`` (the drain's), a stored
+    payment that names another transaction id, amount or currency is not ours: a key
+    conflict for a person, never a success. (That is how a key used by another body, seen
+    as a 422 whose own lookup got no answer, is still caught when the item is looked up
+    again.)
     """
     final = _final(result)
     if final is not None:
+        if (
+            request is not None
+            and result.outcome is Outcome.SUCCEEDED
+            and _names_another_payment(result.stored, request)
+        ):
+            return _key_conflict(result, "the stored payment under our key is not ours", Doubt.KEEP)
         return final
     if result.outcome is Outcome.NOT_FOUND:
         if doubt_age is not None and doubt_age >= policy.key_trust:
@@ -254,12 +265,11 @@ def after_conflict(
     anything else stored is a conflict a person must look at. No final answer yet: still in
     doubt (the 422 says something is stored), looked up again later.
     """
+    # after a 422 ours must be proven: every field present, none naming another payment
     stored = found.stored or {}
-    ours = (
-        stored.get("transaction_id") == request.transaction_id
-        and stored.get("amount") == request.amount
-        and stored.get("currency") == request.currency
-    )
+    ours = all(
+        stored.get(k) is not None for k in ("transaction_id", "amount", "currency")
+    ) and not _names_another_payment(stored, request)
     final = _final(found)
     if final is not None and (found.outcome is Outcome.DECLINED or ours):
         return final
@@ -267,13 +277,36 @@ def after_conflict(
         return _still_in_doubt(
             found, lookups=lookups, doubt_age=doubt_age, policy=policy, doubt=Doubt.SINCE_DISPATCH
         )
+    return _key_conflict(found, "422 idempotency_key_reused", Doubt.SINCE_DISPATCH)
+
+
+def _names_another_payment(stored: dict[str, object] | None, request: PaymentRequest) -> bool:
+    """Whether a stored 201 body positively names another payment: a transaction id, an
+    amount or a currency present and different from ours (an amount compared as a number,
+    so ``"150000"`` is 150000). A field a gateway leaves out proves nothing."""
+    if not stored:
+        return False
+    tx, amount, currency = (stored.get(k) for k in ("transaction_id", "amount", "currency"))
+    if tx is not None and str(tx) != request.transaction_id:
+        return True
+    if currency is not None and str(currency) != request.currency:
+        return True
+    if amount is None or isinstance(amount, bool):
+        return amount is not None  # a boolean amount is nobody's
+    try:
+        return int(str(amount)) != request.amount
+    except ValueError:
+        return True  # not a whole number of minor units: not what we sent
+
+
+def _key_conflict(found: GatewayResult, what: str, doubt: Doubt) -> Decision:
     held = held_text(found)  # masked: a stored answer may echo the beneficiary
     return Decision(
         TxStatus.DEAD,
         error_class="key_conflict",
-        error=f"422 idempotency_key_reused; the gateway holds: {held}",
+        error=f"{what}; the gateway holds: {held}",
         dead_reason=DeadReason.KEY_CONFLICT,
-        doubt=Doubt.SINCE_DISPATCH,
+        doubt=doubt,
     )
 
 

@@ -74,6 +74,7 @@ def step_item(gateway: Gateway, policy: Policy, guard: Guard, item: ClaimedItem)
             lookups=lookups,
             doubt_age=item.doubt_age,
             policy=policy,
+            request=request,
         )
         if not d.send_now:
             return ItemOutcome(item.id, attempts, lookups, d, reached)

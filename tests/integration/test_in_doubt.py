@@ -225,6 +225,30 @@ def test_422_is_looked_up_and_the_stored_answer_decides(pw_env: PwEnv, tmp_path:
     assert ledger["payments_sent"] == 2 and ledger["double_payments"] == []
 
 
+def test_a_conflict_whose_first_lookup_failed_is_still_caught(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    """Another body was paid under the item's key (another amount). The create answers 422,
+    and the lookup right after it answers 503, so the item is only in doubt; its next lookup
+    finds the other payment. Before, that lookup took any stored payment for ours: the item
+    was recorded succeeded with someone else's payment id, and never paid (a review found
+    it). Now it is a key conflict for a person."""
+    with _world(pw_env, tmp_path, {}) as (sim, _):
+        b = _batch("k422-503")
+        item = b["items"][0]
+        other = PaymentRequest(ACCT, item["transaction_id"], 1, "IDR", BENEFICIARY)
+        assert _pre_send(sim, other).http_status == 201
+        sim.script(ACCT, {"fault": "503", "endpoint": "lookup"})
+        _submit(b)
+        rows = _settle("k422-503", timeout=30)
+        ledger = sim.ledger()
+        creates = sim.statuses(ACCT, "create")
+        lookups = sim.statuses(ACCT, "lookup")
+    assert 422 in creates and lookups[:2] == [503, 200], (creates, lookups)
+    assert [s for s, _ in rows.values()] == ["dead"] and _dead_reasons() == ["key_conflict"]
+    assert ledger["payments_sent"] == 1 and ledger["double_payments"] == []
+
+
 def test_an_html_200_is_looked_up_not_believed(pw_env: PwEnv, tmp_path: Path) -> None:
     with _world(pw_env, tmp_path, {}) as (sim, _):
         sim.script(ACCT, {"fault": "html_200", "endpoint": "create"})

@@ -197,3 +197,48 @@ def test_backoff_is_full_jitter_capped() -> None:
         assert 0.0 <= d <= min(10.0, 2 ** (n - 1))
     assert b.ceiling(100) == 10.0
     assert b.delay(1, floor=30.0) == 30.0
+
+
+def test_a_lookup_finding_our_payment_is_a_success() -> None:
+    for stored in (
+        {"transaction_id": "tx-1", "amount": 150_000, "currency": "IDR"},
+        {"transaction_id": "tx-1", "amount": "150000", "currency": "IDR"},  # a string amount
+        {"payment_id": "p1"},  # a gateway that leaves the fields out proves nothing either way
+        None,
+    ):
+        found = r(Outcome.SUCCEEDED, 200, payment_id="p1", stored=stored)
+        d = after_lookup(found, attempts=1, lookups=1, doubt_age=5.0, policy=POLICY, request=REQ)
+        assert (d.status, d.payment_id) == (TxStatus.SUCCEEDED, "p1"), stored
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {"transaction_id": "tx-2", "amount": 150_000, "currency": "IDR"},
+        {"transaction_id": "tx-1", "amount": 1, "currency": "IDR"},
+        {"transaction_id": "tx-1", "amount": "1.5", "currency": "IDR"},
+        {"transaction_id": "tx-1", "amount": 150_000, "currency": "USD"},
+        {"amount": 99},
+    ],
+)
+def test_a_lookup_finding_another_payment_under_our_key_is_a_key_conflict(
+    stored: dict[str, object],
+) -> None:
+    """A 422 whose own lookup got no answer left the item merely in doubt; when it is looked
+    up again, a stored payment that is not ours must not be taken for it (a review found the
+    later lookup accepted any stored 201)."""
+    found = r(Outcome.SUCCEEDED, 200, payment_id="p9", stored=stored)
+    d = after_lookup(found, attempts=1, lookups=2, doubt_age=5.0, policy=POLICY, request=REQ)
+    assert (d.status, d.dead_reason) == (TxStatus.DEAD, DeadReason.KEY_CONFLICT)
+    assert d.payment_id is None
+
+
+def test_a_conflicts_stored_payment_is_ours_only_when_every_field_says_so() -> None:
+    partial = {"transaction_id": "tx-1", "amount": 150_000}  # no currency: not proven
+    found = r(Outcome.SUCCEEDED, 200, payment_id="p1", stored=partial)
+    d = after_conflict(found, REQ, lookups=1, doubt_age=None, policy=POLICY)
+    assert (d.status, d.dead_reason) == (TxStatus.DEAD, DeadReason.KEY_CONFLICT)
+    as_text = {"transaction_id": "tx-1", "amount": "150000", "currency": "IDR"}
+    found = r(Outcome.SUCCEEDED, 200, payment_id="p1", stored=as_text)
+    d = after_conflict(found, REQ, lookups=1, doubt_age=None, policy=POLICY)
+    assert d.status is TxStatus.SUCCEEDED
