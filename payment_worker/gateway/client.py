@@ -101,6 +101,7 @@ class GatewayClient:
             refresh_fraction=s.gateway_token_refresh_fraction,
             # longer than one token request can take, so a live refresher keeps the lock
             lock_ttl=s.gateway_connect_timeout + s.gateway_read_timeout + 1.0,
+            retry_after_max=s.retry_after_max_seconds,
         )
         self.pacer = Pacer(
             redis, prefix=s.redis_key_prefix, lease_seconds=s.gateway_pacing_lease_seconds

@@ -55,7 +55,8 @@ _LOCAL_MARGIN_MS = 100
 
 # A token request that got no token pauses the account's token requests in this process:
 # 1 s, doubled with each failure in a row up to 30 s, longer when the answer's Retry-After
-# says so (within 30 s). Every payment or lookup of the account meanwhile is "not sent",
+# says so (the protocol: wait at least Retry-After; honoured up to RETRY_AFTER_MAX_SECONDS,
+# as a payment's is). Every payment or lookup of the account meanwhile is "not sent",
 # due again when the pause ends. Without it each item of a chunk asked again at once: one
 # holder sent about 400 token requests a second for an account whose credentials the
 # gateway refused.
@@ -159,6 +160,7 @@ class TokenManager:
         lock_ttl: float = 10.0,
         poll_interval: float = 0.01,
         send: TokenSender | None = None,
+        retry_after_max: float = 300.0,
     ) -> None:
         if fetch is None:
             if send is None:
@@ -175,6 +177,7 @@ class TokenManager:
         self._fraction = refresh_fraction
         self._lock_ttl_ms = max(1000, int(lock_ttl * 1000))
         self._poll = poll_interval
+        self._retry_after_max = retry_after_max
         self._claim = redis_client.register_script(_CLAIM)
         self._release = redis_client.register_script(_RELEASE)
         self._store = redis_client.register_script(_STORE)
@@ -333,7 +336,9 @@ class TokenManager:
         before = self._paused.get(account_id)
         failures = 1 if before is None else before.failures + 1
         seconds = min(_PAUSE_FIRST * 2 ** min(failures - 1, 16), _PAUSE_MAX)
-        seconds = min(max(seconds, failed.retry_after or 0.0), _PAUSE_MAX)
+        # a Retry-After is the gateway's own word: not cut to the backoff's cap (a token
+        # request asked again before it only meets another 429)
+        seconds = max(seconds, min(failed.retry_after or 0.0, self._retry_after_max))
         error = failed.error or failed.error_class
         self._paused[account_id] = _Pause(time.monotonic() + seconds, failures, error)
         log.info("token_requests_paused", account_id=account_id, seconds=seconds, failures=failures)

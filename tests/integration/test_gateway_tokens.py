@@ -305,3 +305,24 @@ def test_a_token_refusals_retry_after_lengthens_the_pause(
     paused = mgr.get(ACCT)
     assert isinstance(paused, GatewayResult) and paused.reason == TOKEN_PAUSED
     assert paused.retry_after is not None and 2.5 < paused.retry_after <= 3.0
+
+
+def test_a_token_refusals_long_retry_after_is_honoured_past_the_backoffs_cap(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    """The protocol: a token 429 means wait at least Retry-After. The pause's backoff stops at
+    30 s, but a Retry-After of 45 s is honoured (before, the pause was cut to 30 s and the
+    next token request met another 429); one past RETRY_AFTER_MAX_SECONDS is cut to it."""
+    gateway_sim.script(ACCT, {"fault": "429", "endpoint": "token", "retry_after": 45})
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0, retry_after_max=40.0)
+    refused = mgr.get(ACCT)
+    assert isinstance(refused, GatewayResult) and refused.http_status == 429
+    paused = mgr.get(ACCT)
+    assert isinstance(paused, GatewayResult) and paused.reason == TOKEN_PAUSED
+    assert paused.retry_after is not None and 39.5 < paused.retry_after <= 40.0
+    gateway_sim.script(ACCT, {"fault": "429", "endpoint": "token", "retry_after": 35})
+    mgr2 = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    assert isinstance(mgr2.get(ACCT), GatewayResult)
+    paused = mgr2.get(ACCT)
+    assert isinstance(paused, GatewayResult) and paused.retry_after is not None
+    assert 34.5 < paused.retry_after <= 35.0
