@@ -65,6 +65,8 @@ def _terminal(db: Any) -> int:
 
 
 def run_faults(args: argparse.Namespace) -> None:
+    # what else ran on the machine, as the run began (this bench once said "shared" always)
+    load_before = os.getloadavg()[0]
     import psycopg
     import redis
 
@@ -185,7 +187,10 @@ def run_faults(args: argparse.Namespace) -> None:
         stalls = {f.kind: f.stalls for f in results}
         (Path(args.logs) / "stalls.json").write_text(json.dumps(stalls, indent=1))
     print()
-    print(f"machine: {machine()} (shared: other jobs were running), commit {git_rev()}")
+    print(
+        f"machine: {machine()} (1-minute load average {load_before:.2f} as the run began), "
+        f"commit {git_rev()}"
+    )
     print(
         f"workers {args.workers} x threads {args.concurrency}, {args.accounts} accounts at "
         f"{args.rate} requests/s each, LOCK_TTL_MS {LOCK_TTL_MS}, liveness and sweeper defaults"
