@@ -35,6 +35,7 @@ message stays as a fallback through the same gate.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -63,6 +64,7 @@ from payment_worker.ops.metrics import (
     SWEEPS,
 )
 from payment_worker.ops.queue_depth import oldest_enqueued_ms
+from payment_worker.redis_pool import UNREACHABLE
 from payment_worker.runtime import Runtime
 from payment_worker.settings import Settings
 from payment_worker.worker.queueing import ENQUEUED_HEADER, PAYMENTS_QUEUE, enqueue_batch
@@ -275,7 +277,18 @@ def _sweep(res: Runtime) -> dict[str, Any]:
         # at most one repair message per account until its task starts (the holder deletes
         # the marker) or SWEEPER_RESEND_AFTER passes (the message was lost)
         marker = res.keys.swept(acct.account_id)
-        if not res.redis.set(marker, acct.batch_id, nx=True, px=int(s.sweeper_resend_after * 1000)):
+        try:
+            fresh = res.redis.set(
+                marker, acct.batch_id, nx=True, px=int(s.sweeper_resend_after * 1000)
+            )
+        except UNREACHABLE:
+            # the SET may have run, only its reply lost: a marker no message stands behind
+            # would hold this account's repair back for SWEEPER_RESEND_AFTER (30 s). Dropped
+            # if Redis answers (at worst one repair message more); the pass ends as before
+            with contextlib.suppress(RedisError):
+                res.redis.delete(marker)
+            raise
+        if not fresh:
             continue
         try:
             enqueue_batch(acct.batch_id, rt=res, account_id=acct.account_id)

@@ -31,6 +31,7 @@ from payment_worker.producer.submit import submit_batch
 from payment_worker.worker.sweeper import run_sweep
 from tests.conftest import ROOT, PwEnv, wait_until
 from tests.integration.test_producer import broker_messages, make_batch
+from tests.lock_helpers import proxied_redis
 from tests.sim_fixtures import SimHandle
 
 STALE = 1.0  # SWEEPER_STALE_AFTER of these tests, seconds
@@ -296,6 +297,42 @@ def test_a_failed_publish_leaves_no_marker_so_the_next_sweep_retries(
     }
     assert redis_client.keys(f"{srt.settings.redis_key_prefix}:swept:*") == []
     # with the broker back, the very next sweep repairs it (no stale period lost)
+    assert run_sweep(srt)["reenqueued"] == ["b-1"]
+    assert broker_messages(pw_env) == ["b-1"]
+
+
+def test_a_repair_marker_whose_reply_was_lost_does_not_hold_the_repair_back(
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection[Any],
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pass's ``SET swept NX`` ran but its reply was lost (a real lost reply: a proxy in
+    front of Redis throws it away; the runtime's clients make no retries): the pass fails.
+    Before, the marker stayed for SWEEPER_RESEND_AFTER (30 s by default) with no message
+    behind it, and every pass meanwhile skipped the account. Now it is dropped, and the next
+    pass repairs the account at once (a review found it)."""
+    _save("b-1", "acct-1", srt)
+    _age(db_conn)
+    marker = srt.keys.swept("acct-1")
+    direct = srt.redis
+    with proxied_redis(pw_env.redis_url, retries=0) as (proxy, client):
+        real_set = client.set
+
+        def set_losing_the_markers_reply(name: Any, *args: Any, **kw: Any) -> Any:
+            if name == marker:
+                proxy.drop_next_reply.set()
+            return real_set(name, *args, **kw)
+
+        monkeypatch.setattr(client, "set", set_losing_the_markers_reply)
+        monkeypatch.setattr(srt, "redis", client)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            run_sweep(srt)
+        assert not proxy.drop_next_reply.is_set()  # the reply was lost
+    assert not redis_client.exists(marker)
+    assert broker_messages(pw_env) == []
+    monkeypatch.setattr(srt, "redis", direct)
     assert run_sweep(srt)["reenqueued"] == ["b-1"]
     assert broker_messages(pw_env) == ["b-1"]
 
