@@ -29,7 +29,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import httpx
@@ -131,6 +131,9 @@ class _Pause:
     until: float
     failures: int
     error: str
+    # the token in Redis that ended the pause early (below): if the gateway refuses it, it
+    # is the one the failed request may have revoked, and the pause comes back
+    ended_by: str | None = None
 
 
 @dataclass(slots=True)
@@ -289,8 +292,23 @@ class TokenManager:
             cur = None if rejected is not None else self.cached(account_id)
             if cur is None:
                 return paused
-            self._paused.pop(account_id, None)
+            # used, and the pause is over (its failure count kept until a token is had),
+            # unless the gateway refuses this very token
+            self._paused[account_id] = replace(
+                self._paused[account_id], until=time.monotonic(), ended_by=cur.token
+            )
             return cur.token
+        if rejected is not None:
+            pause = self._paused.get(account_id)
+            if pause is not None and pause.ended_by == rejected:
+                # the token that ended a pause early was refused: the failed request may
+                # have been issued a new one, revoking it. Not a new token request per item
+                # (a 401 and a request each) while the endpoint fails: the pause comes back
+                log.info("token_refused_after_pause", account_id=account_id)
+                self._pause(account_id, not_sent(TOKEN_PAUSED, pause.error))
+                refused = self._paused_result(account_id)
+                assert refused is not None
+                return refused
         if rejected is None:
             started = self._started.pop(account_id, None)
             if started is not None:

@@ -326,3 +326,29 @@ def test_a_token_refusals_long_retry_after_is_honoured_past_the_backoffs_cap(
     paused = mgr2.get(ACCT)
     assert isinstance(paused, GatewayResult) and paused.retry_after is not None
     assert 34.5 < paused.retry_after <= 35.0
+
+
+def test_a_stored_token_refused_after_it_ended_a_pause_brings_the_pause_back(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    """A token request failed (it may have been issued a token, revoking the one in Redis):
+    the pause is ended early by the token still in Redis, and when the gateway refuses that
+    very token the pause comes back, with no token request. Before, the pause was gone: each
+    item cost a 401 and a token request while the endpoint failed (a review found it)."""
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    first = mgr.get(ACCT)
+    assert isinstance(first, str)
+    gateway_sim.script(ACCT, {"fault": "503", "endpoint": "token"})
+    failed = mgr.get(ACCT, rejected=first)  # a 401 on it: the refresh meets the 503
+    assert isinstance(failed, GatewayResult) and failed.http_status == 503
+    assert mgr.get(ACCT) == first  # still in Redis: used, the pause ended early
+    asked = len(gateway_sim.statuses(ACCT, "token"))
+    again = mgr.get(ACCT, rejected=first)  # refused: the pause comes back, longer
+    assert isinstance(again, GatewayResult) and again.reason == TOKEN_PAUSED
+    assert again.retry_after is not None and 1.5 < again.retry_after <= 2.0
+    assert len(gateway_sim.statuses(ACCT, "token")) == asked  # no token request
+    # once the pause is over, a refresh goes out and ends it for good
+    time.sleep(again.retry_after + 0.02)
+    fresh = mgr.get(ACCT, rejected=first)
+    assert isinstance(fresh, str) and fresh != first
+    assert mgr.get(ACCT) == fresh
