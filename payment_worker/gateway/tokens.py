@@ -300,10 +300,18 @@ class TokenManager:
             return cur.token
         if rejected is not None:
             pause = self._paused.get(account_id)
-            if pause is not None and pause.ended_by == rejected:
-                # the token that ended a pause early was refused: the failed request may
-                # have been issued a new one, revoking it. Not a new token request per item
-                # (a 401 and a request each) while the endpoint fails: the pause comes back
+            if (
+                pause is not None
+                and pause.ended_by == rejected
+                and time.monotonic() - pause.until <= _PAUSE_MAX
+            ):
+                # the token that ended a pause early was refused soon after: the failed
+                # request may have been issued a new one, revoking it. Unless another process
+                # stored a new token meanwhile, no token request per item (a 401 and a
+                # request each) while the endpoint fails: the pause comes back
+                cur = self.cached(account_id)
+                if cur is not None and cur.token != rejected:
+                    return cur.token
                 log.info("token_refused_after_pause", account_id=account_id)
                 self._pause(account_id, not_sent(TOKEN_PAUSED, pause.error))
                 refused = self._paused_result(account_id)

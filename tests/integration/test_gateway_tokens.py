@@ -352,3 +352,17 @@ def test_a_stored_token_refused_after_it_ended_a_pause_brings_the_pause_back(
     fresh = mgr.get(ACCT, rejected=first)
     assert isinstance(fresh, str) and fresh != first
     assert mgr.get(ACCT) == fresh
+
+
+def test_a_token_stored_by_another_process_after_the_pause_is_used_not_paused_for(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    first = mgr.get(ACCT)
+    assert isinstance(first, str)
+    gateway_sim.script(ACCT, {"fault": "503", "endpoint": "token"})
+    assert isinstance(mgr.get(ACCT, rejected=first), GatewayResult)  # the 503: paused
+    assert mgr.get(ACCT) == first  # ended early by the token in Redis
+    other = _manager(redis_client, gateway_sim.url, lock_ttl=5.0).get(ACCT, rejected=first)
+    assert isinstance(other, str) and other != first  # another process refreshed
+    assert mgr.get(ACCT, rejected=first) == other  # used at once, no pause
