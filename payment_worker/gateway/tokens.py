@@ -294,9 +294,11 @@ class TokenManager:
                 return paused
             # used, and the pause is over (its failure count kept until a token is had),
             # unless the gateway refuses this very token
-            self._paused[account_id] = replace(
-                self._paused[account_id], until=time.monotonic(), ended_by=cur.token
-            )
+            pause = self._paused.get(account_id)  # (another thread may have ended it)
+            if pause is not None:
+                self._paused[account_id] = replace(
+                    pause, until=time.monotonic(), ended_by=cur.token
+                )
             return cur.token
         if rejected is not None:
             pause = self._paused.get(account_id)
@@ -315,8 +317,8 @@ class TokenManager:
                 log.info("token_refused_after_pause", account_id=account_id)
                 self._pause(account_id, not_sent(TOKEN_PAUSED, pause.error))
                 refused = self._paused_result(account_id)
-                assert refused is not None
-                return refused
+                if refused is not None:  # (None: another thread had a token meanwhile)
+                    return refused
         if rejected is None:
             started = self._started.pop(account_id, None)
             if started is not None:
