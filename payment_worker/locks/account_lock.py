@@ -483,14 +483,12 @@ class AccountLock:
                 released = self._release(keys=keys + extra, args=[token, self.ttl_ms])
                 if extra:
                     self.marked = int(released[-1]) == 1
-            code = int(released[0])
         except RedisError as exc:
             log.warning("lock_release_failed", account_id=self.account_id, error=str(exc))
             if isinstance(exc, UNREACHABLE):
                 self._give_back_later(token)
             return False
-        if code == 2:
-            self._wake(_text(released[1]))
+        code = self._settle_release(released)
         if code <= 0:
             LOCK_RELEASE_NOT_OWNER.inc()
             log.warning(
@@ -502,6 +500,13 @@ class AccountLock:
             return False
         log.debug("lock_released", account_id=self.account_id, handed_over=code == 2)
         return True
+
+    def _settle_release(self, released: Any) -> int:
+        """The release script's code; a lock handed to a waiter wakes it."""
+        code = int(released[0])
+        if code == 2:
+            self._wake(_text(released[1]))
+        return code
 
     def _wake(self, waiter: str) -> None:
         """Wake the waiter the lock was handed to (a lost wake-up costs it one fallback check
@@ -523,11 +528,7 @@ class AccountLock:
         keys = self._queue_keys
 
         def attempt() -> int:
-            released = self._release(keys=keys, args=[token, self.ttl_ms])
-            code = int(released[0])
-            if code == 2:
-                self._wake(_text(released[1]))
-            return code
+            return self._settle_release(self._release(keys=keys, args=[token, self.ttl_ms]))
 
         self._giveback.add(self.account_id, attempt, self.ttl_ms / 1000)
 

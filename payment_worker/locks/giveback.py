@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
@@ -40,7 +40,7 @@ class _Pending:
     until: float  # past this the lock has expired: nothing left to give back
     due: float
     delay: float = FIRST_DELAY
-    tries: int = field(default=0)
+    tries: int = 0
 
 
 class GiveBack(DueLoop):

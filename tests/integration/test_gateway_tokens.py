@@ -328,13 +328,11 @@ def test_a_token_refusals_long_retry_after_is_honoured_past_the_backoffs_cap(
     assert 34.5 < paused.retry_after <= 35.0
 
 
-def test_a_stored_token_refused_after_it_ended_a_pause_brings_the_pause_back(
+def _pause_ended_by_the_stored_token(
     redis_client: redis.Redis, gateway_sim: SimHandle
-) -> None:
-    """A token request failed (it may have been issued a token, revoking the one in Redis):
-    the pause is ended early by the token still in Redis, and when the gateway refuses that
-    very token the pause comes back, with no token request. Before, the pause was gone: each
-    item cost a 401 and a token request while the endpoint failed (a review found it)."""
+) -> tuple[TokenManager, str]:
+    """A token had, then refused (a 401) and its refresh answered 503: paused; the token
+    still in Redis is used at once, ending the pause early. The manager and that token."""
     mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
     first = mgr.get(ACCT)
     assert isinstance(first, str)
@@ -342,6 +340,17 @@ def test_a_stored_token_refused_after_it_ended_a_pause_brings_the_pause_back(
     failed = mgr.get(ACCT, rejected=first)  # a 401 on it: the refresh meets the 503
     assert isinstance(failed, GatewayResult) and failed.http_status == 503
     assert mgr.get(ACCT) == first  # still in Redis: used, the pause ended early
+    return mgr, first
+
+
+def test_a_stored_token_refused_after_it_ended_a_pause_brings_the_pause_back(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    """A token request failed (it may have been issued a token, revoking the one in Redis):
+    the pause is ended early by the token still in Redis, and when the gateway refuses that
+    very token the pause comes back, with no token request. Before, the pause was gone: each
+    item cost a 401 and a token request while the endpoint failed (a review found it)."""
+    mgr, first = _pause_ended_by_the_stored_token(redis_client, gateway_sim)
     asked = len(gateway_sim.statuses(ACCT, "token"))
     again = mgr.get(ACCT, rejected=first)  # refused: the pause comes back, longer
     assert isinstance(again, GatewayResult) and again.reason == TOKEN_PAUSED
@@ -357,12 +366,7 @@ def test_a_stored_token_refused_after_it_ended_a_pause_brings_the_pause_back(
 def test_a_token_stored_by_another_process_after_the_pause_is_used_not_paused_for(
     redis_client: redis.Redis, gateway_sim: SimHandle
 ) -> None:
-    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
-    first = mgr.get(ACCT)
-    assert isinstance(first, str)
-    gateway_sim.script(ACCT, {"fault": "503", "endpoint": "token"})
-    assert isinstance(mgr.get(ACCT, rejected=first), GatewayResult)  # the 503: paused
-    assert mgr.get(ACCT) == first  # ended early by the token in Redis
+    mgr, first = _pause_ended_by_the_stored_token(redis_client, gateway_sim)
     other = _manager(redis_client, gateway_sim.url, lock_ttl=5.0).get(ACCT, rejected=first)
     assert isinstance(other, str) and other != first  # another process refreshed
     assert mgr.get(ACCT, rejected=first) == other  # used at once, no pause

@@ -62,6 +62,15 @@ def unretried(
         yield proxy, rt.account_lock(ACCT), giveback
 
 
+def _released_while_cut(rt: runtime.Runtime, proxy: TcpProxy, lock: AccountLock) -> None:
+    """The lock taken, then Redis cut away: the release is refused (reported False) and
+    handed to the give-back."""
+    rt.liveness.start()
+    assert lock.acquire(fence=False)
+    proxy.cut()
+    assert not lock.release()
+
+
 def _run_give_back(giveback: GiveBack) -> None:
     """One pass of the give-back thread, once its first pause is over."""
     time.sleep(FIRST_DELAY * 1.5)
@@ -182,10 +191,7 @@ def test_a_release_that_cannot_reach_redis_is_given_back_once_it_answers(
     unretried: tuple[TcpProxy, AccountLock, GiveBack],
 ) -> None:
     proxy, lock, giveback = unretried
-    rt.liveness.start()
-    assert lock.acquire(fence=False)
-    proxy.cut()
-    assert not lock.release()  # refused: reported, and handed to the give-back
+    _released_while_cut(rt, proxy, lock)
     assert redis_client.exists(rt.keys.lock(ACCT))
     assert len(giveback) == 1
     _run_give_back(giveback)  # still refused: tried again later
@@ -206,10 +212,7 @@ def test_a_give_back_never_touches_a_lock_that_is_no_longer_ours(
     """The lock expired during the outage and another holder took it: the give-back finds
     another value and leaves it."""
     proxy, lock, giveback = unretried
-    rt.liveness.start()
-    assert lock.acquire(fence=False)
-    proxy.cut()
-    assert not lock.release()
+    _released_while_cut(rt, proxy, lock)
     other = lock_value("other-7-live0001", "e" * 32)
     redis_client.set(rt.keys.lock(ACCT), other, px=30_000)
     proxy.reopen()
