@@ -240,8 +240,10 @@ class TcpProxy:
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._cut = False
-        # when set, the next data Redis sends is read and thrown away (then it is cleared): the
-        # command ran, its reply is lost
+        # when set, the next data Redis sends on a connection is thrown away (then it is
+        # cleared), and so is all that connection sends after it: the command ran, its reply is
+        # lost, and the client, which times out, never reads a reply's tail as a whole reply
+        # (a reply can reach the proxy in more than one read)
         self.drop_next_reply = threading.Event()
         threading.Thread(target=self._accept, args=(self._server,), daemon=True).start()
 
@@ -262,12 +264,14 @@ class TcpProxy:
 
     @staticmethod
     def _pipe(src: socket.socket, dst: socket.socket, drop: threading.Event | None) -> None:
+        deaf = False
         try:
             while data := src.recv(65536):
                 if drop is not None and drop.is_set():
                     drop.clear()
-                    continue
-                dst.sendall(data)
+                    deaf = True
+                if not deaf:
+                    dst.sendall(data)
         except OSError:
             pass
         finally:
