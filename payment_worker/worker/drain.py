@@ -191,6 +191,9 @@ class Drainer:
             store = RetryingStore(opened, lock, self._db_retry, account_id)
             # the next chunk, when the last boundary's statement claimed it
             items: Claim | None = None
+            # the last batch of the chunk before, not yet known to have ended: its items may
+            # have ended exactly with that chunk
+            carried: int | None = None
             try:
                 while True:
                     lock.ensure_held()
@@ -211,8 +214,14 @@ class Drainer:
                     lock.progress()
                     if items.more_due:
                         # more was due than one chunk. Items are claimed in batch order,
-                        # so a batch followed by another in it has nothing more to claim
-                        ended = sorted({i.batch_pk for i in items} - {items[-1].batch_pk})
+                        # so a batch followed by another in it has nothing more to claim;
+                        # the chunk's last batch is checked with the next chunk (if that one
+                        # does not go on with it, its items ended exactly with this chunk)
+                        batches = {i.batch_pk for i in items}
+                        if carried is not None:
+                            batches.add(carried)
+                        carried = items[-1].batch_pk
+                        ended = sorted(batches - {carried})
                         # recorded with those batches completed and the next chunk claimed,
                         # in one statement, unless the slice ends here
                         chunk = self._process_chunk(
@@ -221,10 +230,12 @@ class Drainer:
                         items = chunk.claim
                         if items is not None:
                             continue
-                        if ended:
-                            store.complete_batches(account_id, token, ended)
                         if self._clock() < deadline and not self._stopping():
+                            if ended:
+                                store.complete_batches(account_id, token, ended)
                             continue
+                        # the slice ends: no next chunk checks the last batch, so this does
+                        store.complete_batches(account_id, token, sorted(batches))
                         # run_account re-enqueues after releasing
                         report.handed_off = True
                         report.shutdown = self._stopping()
@@ -237,7 +248,7 @@ class Drainer:
                         if items
                         else None
                     )
-                    items = None
+                    items = carried = None  # (the finish completes every batch it can)
                     if finished is None:
                         finished = store.complete_and_next_due(account_id, token)
                     _, wait = finished

@@ -106,3 +106,42 @@ def test_a_chunk_claimed_at_a_boundary_is_given_back_untouched_at_a_shutdown(
     # its claimed attempt given back with it, due now, never sent
     assert (rows[6].attempts, rows[6].due_at) == (0, w.clock())
     assert w.gateway.sends(rows[6].key) == 0
+
+
+def test_a_batch_that_ends_exactly_with_a_chunk_is_completed_at_the_next_boundary(
+    w: World,
+) -> None:
+    """Batch 1 fills the first chunk exactly: the next chunk does not go on with it, so the
+    next boundary's statement completes it (before, only the drain's last statement did: a
+    backlog behind it kept it ``processing``)."""
+    w.store.add(ACCT, 1, 5)
+    w.store.add(ACCT, 2, 5)
+    third = w.store.add(ACCT, 3, 5)
+    seen: list[list[int]] = []
+
+    def on_call(kind: str, key: str) -> None:
+        if key == third[0].key:  # the third chunk's first request: two boundaries passed
+            seen.append(list(w.store.completed))
+
+    w.gateway.on_call = on_call
+    w.run()
+    # (batch 2 too ends with its chunk; the third chunk, the last, completes it)
+    assert seen == [[1]]
+    assert w.store.completed == [1, 2, 3]
+    assert (w.store.claims, w.store.boundaries, w.store.finishes) == (1, 2, 1)
+
+
+def test_a_slice_over_after_a_chunk_that_ends_its_batch_completes_that_batch(
+    w: World,
+) -> None:
+    """The slice ends at a boundary where the chunk's last batch ended with it: no next chunk
+    checks that batch in this slice, so the hand-off does."""
+    w.max_seconds = 3.0
+    w.store.add(ACCT, 1, 5)
+    w.store.add(ACCT, 2, 4)
+    w.gateway.on_call = lambda kind, key: w.clock.sleep(1.0)  # each request takes 1 s
+    report = w.run()
+    assert report.handed_off  # type: ignore[attr-defined]
+    assert w.store.boundaries == 0 and len(w.store.writes) == 1
+    assert w.store.completed == [1]
+    assert w.store.statuses() == {TxStatus.SUCCEEDED: 5, TxStatus.PENDING: 4}
