@@ -260,6 +260,13 @@ SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fe
 """)
 
 
+def _pg_text(value: str | None) -> str | None:
+    # Postgres text and jsonb hold no NUL character, and the gateway's answers (a body
+    # decoded with replacement, a JSON string's "\u0000") may carry one: refused, the whole
+    # chunk's outcomes would be lost, again at every try
+    return value.replace("\x00", "\ufffd") if value else value
+
+
 def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
     # the JSON keys are the columns of the recordset in _RECORD
     d = o.decision
@@ -269,9 +276,9 @@ def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
         "attempts": o.attempts,
         "lookups": o.lookups,
         "delay": max(d.delay, 0.0),
-        "payment_id": d.payment_id,
-        "error_class": d.error_class,
-        "error": (d.error[:1000] if d.error else None),
+        "payment_id": _pg_text(d.payment_id),
+        "error_class": _pg_text(d.error_class),
+        "error": _pg_text(d.error[:1000] if d.error else None),
         "key_status": d.key_status,
         "dead_reason": d.dead_reason,
         "doubt": d.doubt,

@@ -419,3 +419,41 @@ def test_the_account_from_the_message_header_spares_the_lookup(
     report = processing.run_batch_task(batches[0]["batch_id"], res, account_id="acct-0000")
     assert report.result == "processed" and report.items == 3
     assert _statuses(db_conn) == {"succeeded": 3}
+
+
+def test_a_nul_character_in_the_gateways_answer_is_recorded_not_refused(
+    res: runtime.Runtime,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    """Postgres refuses NUL in text and jsonb (a binary 502 body, a JSON "\\u0000"): the
+    outcomes are recorded with it replaced, never refused at every try."""
+    batches = make_batches(batches=1, items=2, accounts=1, prefix="nul")
+    _submit(batches)
+    with autocommit(res.engine).connect() as conn:
+        token = next_fence_token(conn, "acct-0000")
+        paid, odd = repo.claim_due(conn, "acct-0000", token, 2)
+        outcomes = [
+            ItemOutcome(paid.id, 1, 0, Decision(TxStatus.SUCCEEDED, payment_id="pay\x00-1")),
+            ItemOutcome(
+                odd.id,
+                1,
+                0,
+                Decision(
+                    TxStatus.DEAD,
+                    error_class="http_502\x00",
+                    error="\x1f\x8b\x00\x00 gzip without its header",
+                    dead_reason=DeadReason.RETRIES_EXHAUSTED,
+                ),
+            ),
+        ]
+        assert repo.record_outcomes(conn, "acct-0000", token, outcomes) == 2
+    rows = db_conn.execute(
+        "SELECT status, gateway_payment_id, last_error_class, last_error FROM transactions"
+        " ORDER BY id"
+    ).fetchall()
+    assert rows == [
+        ("succeeded", "pay\ufffd-1", None, None),
+        ("dead", None, "http_502\ufffd", "\x1f\x8b\ufffd\ufffd gzip without its header"),
+    ]
+    letter = db_conn.execute("SELECT payload->>'last_error' FROM dead_letters").fetchone()
+    assert letter == ("\x1f\x8b\ufffd\ufffd gzip without its header",)
