@@ -457,3 +457,42 @@ def test_a_nul_character_in_the_gateways_answer_is_recorded_not_refused(
     ]
     letter = db_conn.execute("SELECT payload->>'last_error' FROM dead_letters").fetchone()
     assert letter == ("\x1f\x8b\ufffd\ufffd gzip without its header",)
+
+
+def test_a_step_that_sent_nothing_leaves_the_keys_status_as_it_was(
+    res: runtime.Runtime,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    """ "sent" means a request under the key may have applied: a step none of whose requests
+    left (paced, token refused, given back untouched, a body that no longer matches) does not
+    write it; one that reached the gateway with the outcome unknown does."""
+    batches = make_batches(batches=1, items=3, accounts=1, prefix="keyst")
+    _submit(batches)
+
+    def keys() -> list[str]:
+        rows = db_conn.execute(
+            "SELECT k.status FROM idempotency_keys k JOIN transactions t"
+            " ON t.id = k.transaction_pk ORDER BY t.id"
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    assert keys() == ["new", "new", "new"]
+    with autocommit(res.engine).connect() as conn:
+        token = next_fence_token(conn, "acct-0000")
+        paced, mismatch, timed_out = repo.claim_due(conn, "acct-0000", token, 3)
+        outcomes = [
+            ItemOutcome(paced.id, 0, 0, Decision(TxStatus.RETRYABLE, delay=1.0)),
+            ItemOutcome(
+                mismatch.id,
+                0,
+                0,
+                Decision(
+                    TxStatus.DEAD,
+                    error_class="fingerprint_mismatch",
+                    dead_reason=DeadReason.FINGERPRINT_MISMATCH,
+                ),
+            ),
+            ItemOutcome(timed_out.id, 1, 0, Decision(TxStatus.UNKNOWN, delay=1.0), reached=True),
+        ]
+        assert repo.record_outcomes(conn, "acct-0000", token, outcomes) == 3
+    assert keys() == ["new", "new", "sent"]
