@@ -25,6 +25,7 @@ from payment_worker.domain.statuses import (
     IN_DOUBT_TX_STATUSES,
     SENDABLE_TX_STATUSES,
     TERMINAL_TX_STATUSES,
+    KeyStatus,
     TxStatus,
 )
 
@@ -197,7 +198,7 @@ v AS (
     SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(
         id bigint, status text, attempts int, lookups int, delay float8,
         payment_id text, error_class text, error text, key_status text, dead_reason text,
-        doubt text, unsent bool, reached bool)
+        doubt text, unsent bool)
 ),
 upd AS (
     UPDATE transactions t SET
@@ -219,14 +220,13 @@ upd AS (
     WHERE t.id = v.id AND t.account_id = :acct AND t.status IN ({_IN_DOUBT})
     RETURNING t.id, t.batch_pk, t.status, t.attempts, v.key_status, v.payment_id,
               v.dead_reason, v.error_class, v.error, t.idempotency_key, t.doubt_since,
-              t.next_attempt_at, v.reached
+              t.next_attempt_at
 ),
 keys AS (
     -- written once per step, with the outcome (the transaction row already holds the
     -- intent): final answers, "not_applied", or "sent" while the outcome is unknown; a step
-    -- none of whose requests left keeps what the key was
-    UPDATE idempotency_keys k SET
-        status = COALESCE(upd.key_status, CASE WHEN upd.reached THEN 'sent' ELSE k.status END),
+    -- none of whose requests left keeps what the key was (see _outcome_row)
+    UPDATE idempotency_keys k SET status = COALESCE(upd.key_status, k.status),
         attempts = upd.attempts,
         result_ref = COALESCE(upd.payment_id, upd.error_class, k.result_ref),
         fence_token = :tok, updated_at = now()
@@ -281,11 +281,11 @@ def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
         "payment_id": _pg_text(d.payment_id),
         "error_class": _pg_text(d.error_class),
         "error": _pg_text(d.error[:1000] if d.error else None),
-        "key_status": d.key_status,
+        # no final answer: "sent" (maybe applied) once a request of this step left
+        "key_status": d.key_status or (KeyStatus.SENT if o.reached else None),
         "dead_reason": d.dead_reason,
         "doubt": d.doubt,
         "unsent": o.unsent,
-        "reached": o.reached,
     }
 
 
