@@ -97,6 +97,7 @@ class FakeStore:
         self.finishes = 0  # complete_and_next_due calls (one statement each)
         self.claims = 0  # claim_due calls (one statement each)
         self.boundaries = 0  # record_and_claim calls (one statement each)
+        self.locked: set[int] = set()  # rows another transaction holds: claims skip them
         self._ids = itertools.count(1)
 
     def add(self, account_id: str, batch_pk: int, n: int, **kw: Any) -> list[Row]:
@@ -146,6 +147,7 @@ class FakeStore:
                 and r.status in OPEN_TX_STATUSES
                 and r.due_at <= self.clock()
                 and r.id not in skip
+                and r.id not in self.locked
             ),
             key=lambda r: (r.batch_pk, r.id),
         )

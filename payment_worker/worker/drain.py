@@ -51,6 +51,11 @@ from payment_worker.worker.store_retry import DbRetry, RetryingStore
 
 log = get_logger("processing")
 
+# the pause after a claim that took nothing while something was due: rows another
+# transaction holds locked (an operator's session, a retried statement's first try still on
+# the server), which the claim skips. Without it the holder claimed in a busy loop
+SKIPPED_ROWS_PAUSE = 0.1
+
 
 @dataclass
 class DrainReport:
@@ -248,12 +253,15 @@ class Drainer:
                         if items
                         else None
                     )
+                    claimed_nothing = not items
                     items = carried = None  # (the finish completes every batch it can)
                     if finished is None:
                         finished = store.complete_and_next_due(account_id, token)
                     _, wait = finished
                     if wait is None:
                         return
+                    if claimed_nothing and wait <= 0:
+                        wait = SKIPPED_ROWS_PAUSE
                     if self._stopping() or (wait <= 0 and self._clock() >= deadline):
                         # work due now (new since the claim) and the slice is over: the next
                         # slice takes it; work not due yet is scheduled below

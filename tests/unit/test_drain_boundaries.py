@@ -145,3 +145,23 @@ def test_a_slice_over_after_a_chunk_that_ends_its_batch_completes_that_batch(
     assert w.store.boundaries == 0 and len(w.store.writes) == 1
     assert w.store.completed == [1]
     assert w.store.statuses() == {TxStatus.SUCCEEDED: 5, TxStatus.PENDING: 4}
+
+
+def test_due_rows_the_claim_skips_are_waited_for_not_claimed_in_a_busy_loop(
+    w: World,
+) -> None:
+    """A due row another transaction holds locked (an operator's session) is skipped by the
+    claim: the holder pauses between claims rather than claiming as fast as it can."""
+    w.max_seconds = 2.0
+    rows = w.store.add(ACCT, 1, 2)
+    w.store.locked.add(rows[1].id)
+    claims = w.store.claim_due
+
+    def counted(account_id: str, token: int, limit: int) -> object:
+        assert w.store.claims < 100, "claimed in a busy loop"
+        return claims(account_id, token, limit)
+
+    w.store.claim_due = counted  # type: ignore[method-assign,assignment]
+    w.run()
+    assert w.store.statuses() == {TxStatus.SUCCEEDED: 1, TxStatus.PENDING: 1}
+    assert w.store.claims <= 2.0 / 0.1 + 1
