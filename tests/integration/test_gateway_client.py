@@ -17,7 +17,7 @@ from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.gateway import GatewayClient, Outcome
 from payment_worker.gateway.tokens import TOKEN_PAUSED
 from payment_worker.settings import Settings
-from tests.conftest import PwEnv
+from tests.conftest import PwEnv, wait_until
 from tests.sim_fixtures import SimHandle, gateway_client
 
 ACCT = "acct-1"
@@ -214,16 +214,29 @@ def test_connection_refused_is_retry(pw_env: PwEnv) -> None:
     assert r.error_class == "token_connect_error"
 
 
-def test_lookup_not_found_and_in_flight(client: GatewayClient, gateway_sim: SimHandle) -> None:
-    assert client.lookup_payment(ACCT, "pw1-never").outcome is Outcome.NOT_FOUND
-    gateway_sim.configure(max_in_flight=5, latency_ms=400)
-    t = threading.Thread(target=create, args=(client, tx()))
-    t.start()
-    time.sleep(0.15)
-    gateway_sim.configure(latency_ms=0)
-    r = client.lookup_payment(ACCT, tx().idempotency_key)
-    t.join()
+def test_lookup_not_found_and_in_flight(pw_env: PwEnv, gateway_sim: SimHandle) -> None:
+    # a read timeout longer than the create's latency: the create is answered, not abandoned
+    client = gateway_client(make_settings(gateway_read_timeout=10.0))
+    try:
+        assert client.lookup_payment(ACCT, "pw1-never").outcome is Outcome.NOT_FOUND
+        gateway_sim.configure(max_in_flight=5, latency_ms=2000)
+        created: list[Any] = []
+        t = threading.Thread(target=lambda: created.append(create(client, tx())))
+        t.start()
+        # the simulator counts a create as it arrives, when it stores its key as in flight
+        # and draws its latency
+        wait_until(
+            lambda: gateway_sim.ledger()["requests"].get("create", 0) == 1,
+            10,
+            "the create to arrive",
+        )
+        gateway_sim.configure(latency_ms=0)
+        r = client.lookup_payment(ACCT, tx().idempotency_key)
+        t.join(10)
+    finally:
+        client.close()
     assert (r.outcome, r.http_status) == (Outcome.IN_FLIGHT, 409)
+    assert [c.outcome for c in created] == [Outcome.SUCCEEDED]
 
 
 def test_401_refreshes_once_and_retries(client: GatewayClient, gateway_sim: SimHandle) -> None:
@@ -308,9 +321,9 @@ def test_default_redis_and_keys_carry_the_prefix_and_hash_tag(
 def test_tokens_are_refreshed_ahead_of_expiry_without_401(
     pw_env: PwEnv, gateway_sim: SimHandle
 ) -> None:
-    gateway_sim.configure(token_ttl=1.0)
+    gateway_sim.configure(token_ttl=2.0)
     c = gateway_client(make_settings(gateway_token_refresh_fraction=0.3))
-    deadline = time.monotonic() + 2.6
+    deadline = time.monotonic() + 5.2
     i = 0
     while time.monotonic() < deadline:
         assert create(c, tx(f"tx-{i}")).outcome is Outcome.SUCCEEDED
@@ -319,7 +332,7 @@ def test_tokens_are_refreshed_ahead_of_expiry_without_401(
     c.close()
     ledger = gateway_sim.ledger()
     assert ledger["http_401"] == 0
-    # 2.6 s of 1 s tokens refreshed 15-30 % early: 3 or 4 tokens, never one per request
+    # 5.2 s of 2 s tokens refreshed 15-30 % early: 3 or 4 tokens, never one per request
     assert 3 <= ledger["tokens_issued"] <= 4
 
 

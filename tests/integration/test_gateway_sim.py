@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import wait_until
 from tests.sim_fixtures import ROOT, SimHandle, run_simulator
 
 SECRET = "sim-secret"
@@ -99,12 +100,13 @@ def test_issuing_a_token_revokes_every_earlier_token(api: Api, gateway_sim: SimH
 
 
 def test_an_expired_token_gets_401(api: Api, gateway_sim: SimHandle) -> None:
-    gateway_sim.configure(token_ttl=0.3)
-    granted = api.token_response("acct-1").json()
-    assert granted["expires_in"] == 0.3
-    tok = granted["access_token"]
+    gateway_sim.configure(token_ttl=1.5)
+    granted = api.token_response("acct-1")
+    issued = time.monotonic()  # the simulator's expiry clock started before this
+    assert granted.json()["expires_in"] == 1.5
+    tok = granted.json()["access_token"]
     assert api.create(tok, "k-0", body("tx-0")).status_code == 201
-    time.sleep(0.45)
+    _sleep_until(issued + 1.5 + 0.2)
     r = api.create(tok, "k-1", body())
     assert (r.status_code, r.json()) == (401, {"error": "invalid_token"})
 
@@ -189,20 +191,41 @@ def test_create_401_without_a_valid_token(api: Api, gateway_sim: SimHandle) -> N
     assert gateway_sim.ledger()["payments_sent"] == 0
 
 
-def _concurrently(*calls: Any) -> list[httpx.Response]:
+# long enough that a create counted by the simulator is still in flight when the next one
+# (started only then) arrives, even on a loaded host
+IN_FLIGHT_MS = 2000
+
+
+def _creates_arrived(sim: SimHandle) -> int:
+    """Creates the simulator has counted: it counts one as it arrives, in the same step of
+    its event loop that takes the account's in-flight slot and stores the key as in flight
+    (before the latency), so a counted create is in flight."""
+    n: int = sim.ledger()["requests"].get("create", 0)
+    return n
+
+
+def _wait_for_creates(sim: SimHandle, n: int) -> None:
+    """Wait until the simulator has counted ``n`` creates (the last of them in flight)."""
+    wait_until(lambda: _creates_arrived(sim) >= n, 10, f"create {n} to arrive")
+
+
+def _concurrently(sim: SimHandle, *calls: Any) -> list[httpx.Response]:
+    """Start each create once the simulator has the one before it in flight."""
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = []
-        for call in calls:
+        for i, call in enumerate(calls):
             futures.append(pool.submit(call))
-            time.sleep(0.05)  # the first one is surely in flight before the next starts
+            _wait_for_creates(sim, i + 1)
         return [f.result() for f in futures]
 
 
 def test_create_409_while_the_key_is_in_flight(api: Api, gateway_sim: SimHandle) -> None:
-    gateway_sim.configure(latency_ms=400, max_in_flight=5)
+    gateway_sim.configure(latency_ms=IN_FLIGHT_MS, max_in_flight=5)
     tok = api.token()
     first, second = _concurrently(
-        lambda: api.create(tok, "k-1", body()), lambda: api.create(tok, "k-1", body())
+        gateway_sim,
+        lambda: api.create(tok, "k-1", body()),
+        lambda: api.create(tok, "k-1", body()),
     )
     assert first.status_code == 201
     assert (second.status_code, second.json()) == (409, {"error": "idempotency_key_in_use"})
@@ -218,10 +241,12 @@ def test_create_422_on_key_reuse_with_another_body(api: Api, gateway_sim: SimHan
 
 
 def test_create_429_when_more_in_flight_than_allowed(api: Api, gateway_sim: SimHandle) -> None:
-    gateway_sim.configure(latency_ms=400, max_in_flight=1)
+    gateway_sim.configure(latency_ms=IN_FLIGHT_MS, max_in_flight=1)
     tok = api.token()
     first, second = _concurrently(
-        lambda: api.create(tok, "k-1", body("tx-1")), lambda: api.create(tok, "k-2", body("tx-2"))
+        gateway_sim,
+        lambda: api.create(tok, "k-1", body("tx-1")),
+        lambda: api.create(tok, "k-2", body("tx-2")),
     )
     assert first.status_code == 201
     assert (second.status_code, second.json()) == (429, {"error": "rate_limited"})
@@ -330,9 +355,9 @@ def test_lookup_409_while_in_flight(api: Api, gateway_sim: SimHandle) -> None:
     gateway_sim.configure(max_in_flight=5)
     tok = api.token()
     with ThreadPoolExecutor(1) as pool:
-        gateway_sim.configure(latency_ms=500)
+        gateway_sim.configure(latency_ms=IN_FLIGHT_MS)
         fut = pool.submit(api.create, tok, "k-1", body())
-        time.sleep(0.15)
+        _wait_for_creates(gateway_sim, 1)
         gateway_sim.configure(latency_ms=0)  # the create drew its latency on arrival
         r = api.lookup(tok, "k-1")
         assert (r.status_code, r.json()) == (409, {"error": "idempotency_key_in_use"})
@@ -378,10 +403,16 @@ def _sleep_until(t: float) -> None:
     time.sleep(max(0.0, t - time.monotonic()))
 
 
+# the in-doubt windows (hold, outage, retention): long enough for the checks meant to run
+# inside one to do so on a loaded host
+HOLD = 2.0
+OUTAGE = 2.0
+RETENTION = 1.5
+
+
 def test_hold_409s_create_and_lookup_then_applies_once(api: Api, gateway_sim: SimHandle) -> None:
-    gateway_sim.configure(p_hold=1.0, hold_seconds=1.0)
+    gateway_sim.configure(p_hold=1.0, hold_seconds=HOLD)
     tok = api.token()
-    t0 = time.monotonic()
     with pytest.raises(RESET):  # the request that started the hold never gets its answer
         api.create(tok, "k-1", body())
     gateway_sim.configure(p_hold=0.0)
@@ -395,8 +426,7 @@ def test_hold_409s_create_and_lookup_then_applies_once(api: Api, gateway_sim: Si
     ledger = gateway_sim.ledger()
     assert (ledger["payments_sent"], ledger["holds_pending"]) == (0, 1)
 
-    _sleep_until(t0 + 1.3)
-    ledger = gateway_sim.wait_for_holds(timeout=5)
+    ledger = gateway_sim.wait_for_holds(timeout=HOLD + 5)
     assert ledger["sends"] == {"acct-1/tx-1": 1}
     looked = api.lookup(tok, "k-1")
     assert looked.status_code == 200
@@ -414,14 +444,14 @@ def test_hold_409s_create_and_lookup_then_applies_once(api: Api, gateway_sim: Si
 
 def test_a_scripted_hold_takes_its_own_seconds(api: Api, gateway_sim: SimHandle) -> None:
     gateway_sim.configure(hold_seconds=60)
-    gateway_sim.script("acct-1", {"fault": "hold", "seconds": 0.5})  # endpoint: create
+    gateway_sim.script("acct-1", {"fault": "hold", "seconds": HOLD})  # endpoint: create
     tok = api.token()
     assert api.lookup(tok, "k-0").status_code == 404  # a lookup does not take it
     with pytest.raises(RESET):
         api.create(tok, "k-1", body())
     assert api.create(tok, "k-2", body("tx-2")).status_code == 201  # only the one is held
     assert api.lookup(tok, "k-1").status_code == 409
-    ledger = gateway_sim.wait_for_holds(timeout=5)
+    ledger = gateway_sim.wait_for_holds(timeout=HOLD + 5)  # not the config's 60 s
     assert ledger["sends"] == {"acct-1/tx-1": 1, "acct-1/tx-2": 1}
     assert api.lookup(tok, "k-1").json()["http_status"] == 201
 
@@ -438,11 +468,12 @@ def test_a_reset_during_a_hold_drops_the_held_payment(api: Api, gateway_sim: Sim
 def test_outage_after_apply_pays_once_then_503s_then_recovers(
     api: Api, gateway_sim: SimHandle
 ) -> None:
-    gateway_sim.configure(p_outage_after_apply=1.0, outage_seconds=1.5)
+    gateway_sim.configure(p_outage_after_apply=1.0, outage_seconds=OUTAGE)
     tok = api.token()
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # the outage starts after this
     with pytest.raises(RESET):  # applied, and its answer lost
         api.create(tok, "k-1", body())
+    t1 = time.monotonic()  # and before this
     gateway_sim.configure(p_outage_after_apply=0.0)
     assert gateway_sim.ledger()["sends"] == {"acct-1/tx-1": 1}
     down = (503, {"error": "service_unavailable"})
@@ -455,10 +486,10 @@ def test_outage_after_apply_pays_once_then_503s_then_recovers(
     assert api.token_response("acct-1").status_code == 200
     tok = api.token()
     assert api.create(api.token("acct-2"), "k-1", body(), "acct-2").status_code == 201
-    assert time.monotonic() - t0 < 1.5, "the checks above must run inside the outage"
+    assert time.monotonic() - t0 < OUTAGE, "the checks above must run inside the outage"
     assert gateway_sim.ledger()["payments_sent"] == 2  # tx-1 of acct-1, tx-1 of acct-2
 
-    _sleep_until(t0 + 1.7)
+    _sleep_until(t1 + OUTAGE + 0.2)
     r = api.lookup(tok, "k-1")
     assert (r.status_code, r.json()["http_status"]) == (200, 201)
     assert api.create(tok, "k-2", body("tx-2")).status_code == 201  # nothing applied before
@@ -473,13 +504,14 @@ def test_outage_after_apply_pays_once_then_503s_then_recovers(
 def test_a_key_past_the_retention_is_forgotten_and_a_resend_pays_again(
     api: Api, gateway_sim: SimHandle
 ) -> None:
-    gateway_sim.configure(key_retention_seconds=0.5)
+    gateway_sim.configure(key_retention_seconds=RETENTION)
     tok = api.token()
     first = api.create(tok, "k-1", body())
+    t1 = time.monotonic()  # the key's answer was stored before this
     assert first.status_code == 201
     assert api.lookup(tok, "k-1").status_code == 200
     assert api.create(tok, "k-1", body()).status_code == 200  # a replay within the retention
-    time.sleep(0.7)
+    _sleep_until(t1 + RETENTION + 0.2)
     r = api.lookup(tok, "k-1")
     assert (r.status_code, r.json()) == (404, {"error": "not_found"})
     again = api.create(tok, "k-1", body())  # the same key, the same body: a new payment
@@ -524,14 +556,15 @@ def test_html_200_is_applied_and_the_lookup_finds_it(api: Api, gateway_sim: SimH
 
 def test_scripted_html_200_and_outage_after_apply(api: Api, gateway_sim: SimHandle) -> None:
     gateway_sim.script(
-        "acct-1", {"fault": "html_200"}, {"fault": "outage_after_apply", "seconds": 0.3}
+        "acct-1", {"fault": "html_200"}, {"fault": "outage_after_apply", "seconds": OUTAGE}
     )
     tok = api.token()
     assert api.create(tok, "k-1", body()).headers["Content-Type"].startswith("text/html")
     with pytest.raises(RESET):
         api.create(tok, "k-2", body("tx-2"))
+    t1 = time.monotonic()  # the outage started before this
     assert api.lookup(tok, "k-2").status_code == 503
-    time.sleep(0.5)
+    _sleep_until(t1 + OUTAGE + 0.2)
     assert api.lookup(tok, "k-2").json()["http_status"] == 201
     assert gateway_sim.ledger()["sends"] == {"acct-1/tx-1": 1, "acct-1/tx-2": 1}
 

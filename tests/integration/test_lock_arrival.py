@@ -78,6 +78,7 @@ def test_a_busy_lock_leaves_the_mark_for_its_holder(
     queue = RedisAccountQueue(rt)
     holder = rt.account_lock(ACCT)
     assert holder.acquire(arrival=queue.arrival(ACCT, "b-1"))
+    released = False
     try:
         redis_client.set(rt.keys.queued(ACCT), "123", px=60_000)  # a message on its way
         late = rt.account_lock(ACCT)
@@ -91,7 +92,8 @@ def test_a_busy_lock_leaves_the_mark_for_its_holder(
         assert redis_client.get(rt.keys.queued(ACCT)) == b"123"
         assert queue.announced(ACCT)
     finally:
-        assert holder.release(queue.arrival(ACCT, "b-1"))
+        released = holder.release(queue.arrival(ACCT, "b-1"))
+    assert released
     assert holder.marked is True  # the holder learns of b-2 as it releases
     # its next attempt takes the lock and clears the mark; the next release finds none
     again = rt.account_lock(ACCT)

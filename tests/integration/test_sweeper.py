@@ -554,7 +554,9 @@ def test_a_holder_is_registered_while_it_beats_and_leaves_when_it_stops(
 ) -> None:
     from payment_worker.locks.liveness import Liveness, dead_holders
 
-    live = Liveness(srt.redis, srt.keys, ttl_ms=3000, interval_ms=500, margin_ms=1000)
+    # the thread never beats during the test (start() beats once, the test beats by hand):
+    # a beat of its own between the delete and the reads below would register it again
+    live = Liveness(srt.redis, srt.keys, ttl_ms=3000, interval_ms=3_600_000, margin_ms=1000)
     live.start()
     try:
         assert srt.redis.zscore(srt.keys.holders(), live.holder_id) is not None
