@@ -121,3 +121,41 @@ def test_0006_dates_the_doubt_of_items_dead_in_doubt_before_0003(
         "key-sent": (True, False),
         "never": (None, True),
     }
+
+
+def test_0008_dates_the_doubt_of_dead_items_that_were_ever_looked_up(
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    """Before 0003 a 404 ended the doubt at any age: an item looked up, then resent or out of
+    attempts, died with its key "not_applied" and no doubt_since, replayable at any age to a
+    404 and a second payment. 0008 dates every dead item that was ever looked up; one never
+    looked up (all its sends answered "not applied") stays undated."""
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    migrate.downgrade(url, "0007")
+    db_conn.execute(
+        "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
+        " VALUES ('mig8', 'acct-mig8', 'fp', 'completed', 3)"
+    )
+    for tx, status, lookups in (
+        ("looked-up", "dead", 2),
+        ("never", "dead", 0),
+        ("paid", "succeeded", 1),
+    ):
+        db_conn.execute(
+            "INSERT INTO transactions (batch_pk, account_id, transaction_id, amount, currency,"
+            " beneficiary, idempotency_key, status, lookups, created_at)"
+            " SELECT id, 'acct-mig8', %(tx)s, 100, 'IDR', '{}', 'k-' || %(tx)s, %(status)s,"
+            "  %(lookups)s, now() - interval '3 days' FROM batches WHERE batch_id = 'mig8'",
+            {"tx": tx, "status": status, "lookups": lookups},
+        )
+    migrate.upgrade(url)
+    rows = db_conn.execute(
+        "SELECT transaction_id, doubt_since = created_at, doubt_since IS NULL"
+        " FROM transactions WHERE batch_pk = (SELECT id FROM batches WHERE batch_id = 'mig8')"
+    ).fetchall()
+    assert {r[0]: (r[1], r[2]) for r in rows} == {
+        "looked-up": (True, False),
+        "never": (None, True),
+        "paid": (None, True),
+    }
