@@ -128,6 +128,7 @@ class Drainer:
         # announced here is either seen by the holder or finds the lock free
         arrival = self._queue.arrival(account_id, batch_id)
         report = DrainReport(account_id)
+        task_started = self._clock()
         while True:
             lock = self._lock_for(account_id)
             # Redis only: the fencing token is issued by the drain's first claim, in that
@@ -173,6 +174,13 @@ class Drainer:
                 break
             marked = lock.marked
             if not (self._queue.announced(account_id) if marked is None else marked):
+                break
+            if self._clock() - task_started >= self._limits.max_seconds:
+                # work keeps arriving, each drain ending before the next batch: this task
+                # has had its slice. The account goes back to the queue as at a slice's
+                # end, so one busy account cannot pin a worker slot (a prefork child)
+                self._queue.hand_off(account_id, batch_id)
+                report.handed_off = True
                 break
         TASK_EXECUTIONS.labels(report.result).inc()
         log.info(

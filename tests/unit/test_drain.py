@@ -510,3 +510,37 @@ def test_a_give_back_refused_by_a_newer_holder_is_not_counted_as_a_rejection(
     assert REGISTRY.get_sample_value("payment_worker_fencing_rejections_total") == before
     assert w.gateway.calls == [] and w.store.writes == []
     assert all(r.status is TxStatus.DISPATCHING for r in rows)  # the newer holder's to look up
+
+
+def test_work_that_keeps_arriving_is_handed_back_after_a_slice_not_drained_for_ever(
+    w: World,
+) -> None:
+    """Each drain ends before the next batch arrives, whose task leaves its mark: the holder
+    drains again, but after ``DRAIN_MAX_SECONDS`` in all the account goes back to the queue
+    (before, one task drained it for as long as batches kept coming)."""
+    w.max_seconds = 3.0
+    w.store.add(ACCT, 1, 1)
+    w.gateway.on_call = lambda kind, key: w.clock.sleep(1.0)  # each request takes 1 s
+    batches = iter(range(2, 100))
+
+    def lock_for(account_id: str) -> FakeLock:
+        lock = World.lock_for(w, account_id)
+        release = lock.release
+
+        def new_batch_then_release(
+            arrival: Arrival | None = None, rider: EndRider | None = None
+        ) -> bool:
+            n = next(batches)
+            w.store.add(ACCT, n, 1)
+            w.queue.announce(ACCT, f"batch-{n}")
+            return release(arrival, rider)
+
+        lock.release = new_batch_then_release  # type: ignore[method-assign]
+        return lock
+
+    w.lock_for = lock_for  # type: ignore[method-assign]
+    report = w.run()
+    assert report.handed_off  # type: ignore[attr-defined]
+    assert w.queue.handed_off == [(ACCT, "batch-1")]
+    assert len(w.locks) == 3  # three drains of 1 s each: the slice is over
+    assert w.store.statuses() == {"succeeded": 3, "pending": 1}
