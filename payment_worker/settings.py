@@ -32,6 +32,9 @@ from payment_worker.ops.redaction import mask_url
 # rather than 750 took scenario 5, 2,000 accounts at 1 s, from 716 to 1,139 items/s with
 # scenarios 1, 3 and 4 unchanged, for about 25 MB more RSS per process)
 THREADS_CONCURRENCY = 1000
+# the longest wait between two tries of the task that writes a crash's dead letter while
+# Postgres is down (worker/dlq.py): a countdown, so half the visibility timeout at most
+DEAD_LETTER_RETRY_MAX_SECONDS = 300
 
 _PG_SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
 _REDIS_SCHEMES = {"redis", "rediss", "unix"}
@@ -313,8 +316,19 @@ class Settings(BaseSettings):
             raise ValueError("RETRY_MAX_DELAY must be below VISIBILITY_TIMEOUT")
         if self.drain_max_seconds >= self.task_soft_time_limit:
             raise ValueError("DRAIN_MAX_SECONDS must be below TASK_SOFT_TIME_LIMIT")
-        if self.lock_safety_margin_ms >= self.lock_ttl_ms:
-            raise ValueError("LOCK_SAFETY_MARGIN_MS must be below LOCK_TTL_MS")
+        if 3 * self.lock_safety_margin_ms > self.lock_ttl_ms:
+            raise ValueError(
+                "LOCK_SAFETY_MARGIN_MS must be at most a third of LOCK_TTL_MS: a lock is "
+                "renewed every third of its TTL and trusted until TTL - margin after the last "
+                "renewal, so one late renewal must not cost it"
+            )
+        if self.visibility_timeout < 2 * DEAD_LETTER_RETRY_MAX_SECONDS:
+            raise ValueError(
+                f"VISIBILITY_TIMEOUT must be at least {2 * DEAD_LETTER_RETRY_MAX_SECONDS} s: "
+                "a crash's dead letter is retried up to "
+                f"{DEAD_LETTER_RETRY_MAX_SECONDS} s apart while Postgres is down, and a "
+                "countdown past half the visibility timeout is delivered twice"
+            )
         if 2 * self.liveness_interval_ms > self.liveness_ttl_ms - self.lock_safety_margin_ms:
             raise ValueError(
                 "LIVENESS_INTERVAL_MS must be at most half of LIVENESS_TTL_MS - "

@@ -31,6 +31,7 @@ from payment_worker.errors import PaymentWorkerError
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import DEAD_LETTERS
 from payment_worker.ops.redaction import redact
+from payment_worker.settings import DEAD_LETTER_RETRY_MAX_SECONDS
 from payment_worker.worker.celery_app import app
 
 log = get_logger("dlq")
@@ -97,7 +98,7 @@ def record_crash(
     name=RECORD_CRASH_TASK,
     autoretry_for=(Exception,),
     retry_backoff=True,
-    retry_backoff_max=300,
+    retry_backoff_max=DEAD_LETTER_RETRY_MAX_SECONDS,
     max_retries=None,
 )
 def record_crash_task(

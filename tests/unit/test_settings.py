@@ -145,3 +145,43 @@ def test_the_database_retry_bound_stays_well_below_the_stall_bound() -> None:
         Settings(db_pool_timeout=11.0)
     with pytest.raises(ValidationError, match="db_pool_size"):
         Settings(db_pool_size=0)
+
+
+@pytest.mark.parametrize(
+    ("env", "var"),
+    [
+        # renewed every 400 ms, trusted for 200 ms after a renewal: lost before the first one
+        ({"LOCK_TTL_MS": "1200", "LOCK_SAFETY_MARGIN_MS": "1000"}, "LOCK_SAFETY_MARGIN_MS"),
+        ({"LOCK_TTL_MS": "3000", "LOCK_SAFETY_MARGIN_MS": "1001"}, "LOCK_SAFETY_MARGIN_MS"),
+        # a crash record's retry countdown (up to 300 s) past half the visibility timeout
+        (
+            {
+                "VISIBILITY_TIMEOUT": "599",
+                "TASK_TIME_LIMIT": "500",
+                "TASK_SOFT_TIME_LIMIT": "400",
+                "RETRY_MAX_DELAY": "200",
+            },
+            "VISIBILITY_TIMEOUT",
+        ),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], var: str
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    line = describe_error(info.value)
+    assert var in line and "\n" not in line
+
+
+def test_the_edges_of_those_rules_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCK_TTL_MS", "3000")
+    monkeypatch.setenv("LOCK_SAFETY_MARGIN_MS", "1000")
+    monkeypatch.setenv("VISIBILITY_TIMEOUT", "600")
+    monkeypatch.setenv("TASK_TIME_LIMIT", "500")
+    monkeypatch.setenv("TASK_SOFT_TIME_LIMIT", "400")
+    monkeypatch.setenv("RETRY_MAX_DELAY", "200")
+    s = Settings()
+    assert (s.lock_ttl_ms, s.visibility_timeout) == (3000, 600)
