@@ -61,8 +61,9 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
             "take_batch": s.broker_take_batch,
         },
         "result_backend_transport_options": {"visibility_timeout": s.visibility_timeout},
-        # Hard limits below the visibility timeout: a stuck task is killed (and its message rejected
-        # and redelivered) before the broker would redeliver it behind its back. Enforced by the
+        # Hard limits below the visibility timeout: a stuck task is killed before the broker
+        # would redeliver it behind its back (Celery counts it failed and acks its message: the
+        # sweeper sends the account on once the child's liveness lapses). Enforced by the
         # prefork pool only (threads and solo ignore them): there, a holder blocked anywhere is
         # given up by its watchdog after LOCK_MAX_STALL_SECONDS (docs/processing.md).
         "task_time_limit": s.task_time_limit,
