@@ -30,8 +30,9 @@ before the first task, and stop it at the very end, deleting the key, so a lock 
 is taken over at once.
 
 **Warm shutdown** (SIGTERM, or ``celery control shutdown``): Celery stops consuming and waits
-for the running tasks. ``worker_shutting_down`` is sent in the worker's main process as soon
-as the shutdown begins; the receiver sets the runtime's ``shutting_down`` event, and every
+for the running tasks. ``worker_shutting_down`` (SIGTERM, SIGINT) or the worker blueprint's
+close (:class:`HandBackOnStop`, every way a worker stops), in the worker's main process as
+soon as the shutdown begins, sets the runtime's ``shutting_down`` event, and every
 drain hands its account back at its next safe point (between two items, after recording what
 it learnt): it gives the untouched items back, releases the lock and re-enqueues the account,
 so another worker continues it within seconds instead of after a 10 s slice (or, for a
@@ -46,6 +47,7 @@ import resource
 import threading
 from typing import Any
 
+from celery import bootsteps
 from celery.signals import (
     worker_init,
     worker_process_init,
@@ -61,6 +63,7 @@ from payment_worker.db.retry import short_error
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.open_files import files_needed, raise_open_files_limit
 from payment_worker.redis_pool import ShardedConnectionPool
+from payment_worker.worker.celery_app import app
 from payment_worker.worker.sweeper import SweeperThread
 
 log = get_logger("worker")
@@ -261,6 +264,18 @@ def hand_back_on_shutdown(**_: Any) -> None:
         log.info("worker_handing_back", holder=rt.liveness.holder_id)
 
 
+class HandBackOnStop(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Every way a worker stops closes its blueprint before any step stops, the pool's wait
+    for the running tasks included: the drains hand their accounts back then. Celery sends
+    ``worker_shutting_down`` only from its SIGTERM and SIGINT handlers, not for
+    ``celery control shutdown``, where the drains ran their slices out."""
+
+    requires = ("celery.worker.components:Pool",)
+
+    def close(self, parent: Any) -> None:
+        hand_back_on_shutdown()
+
+
 def _stopping(**_: Any) -> None:
     stop_sweeper()
     # every task has ended: nothing of ours may be trusted any more, and a lock left behind
@@ -276,3 +291,4 @@ worker_ready.connect(_worker_ready)
 worker_process_shutdown.connect(_stopping)
 worker_shutdown.connect(_stopping)
 worker_shutting_down.connect(hand_back_on_shutdown)
+app.steps["worker"].add(HandBackOnStop)
