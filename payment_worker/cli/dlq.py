@@ -192,7 +192,11 @@ def _cell(value: object, width: int | None = None) -> str:
 @dlq.command(name="list")
 @click.option("--reason", default=None, help="only this reason")
 @click.option("--account", default=None, help="only this account")
-@click.option("--since", default=None, help="only dead letters newer than this (90s, 15m, 1h, 2d)")
+@click.option(
+    "--since",
+    default=None,
+    help="only items that died within this (90s, 15m, 1h, 2d), again after a replay included",
+)
 @click.option("--status", "state", default="open", help="open (default), replayed, resolved, all")
 @click.option("--json", "as_json", is_flag=True, help="a JSON array instead of a table")
 @click.pass_context

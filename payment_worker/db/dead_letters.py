@@ -72,7 +72,8 @@ _LIST_WHERE = """
   AND (CAST(:acct AS text) IS NULL
        OR COALESCE(t.account_id, b.account_id, d.payload->>'account_id') = :acct)
   AND (CAST(:since AS double precision) IS NULL
-       OR d.created_at >= now() - make_interval(secs => CAST(:since AS double precision)))
+       OR GREATEST(d.created_at, CASE WHEN t.status = 'dead' THEN t.updated_at END)
+          >= now() - make_interval(secs => CAST(:since AS double precision)))
 """
 
 

@@ -243,3 +243,26 @@ def test_key_conflict_and_fingerprint_mismatch_are_never_replayed(
     assert (ra.result, rb.result) == (dlq.NOT_REPLAYABLE, dlq.NOT_REPLAYABLE)
     assert "resolve by hand" in ra.detail
     assert _status(db_conn, "kc") == ("dead", 8) and _status(db_conn, "fm") == ("dead", 8)
+
+
+def test_since_finds_an_item_that_died_again_after_its_replay(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    """A replayed item that dies again keeps its dead letter, written 3 hours ago: it died
+    within the last hour, so ``--since 1h`` lists it (before, it filtered on the letter's
+    first ``created_at`` only). One that died 3 hours ago and stayed dead is not listed."""
+    again = _dead(db_conn, "re1", "retries_exhausted", None)
+    old = _dead(db_conn, "re2", "retries_exhausted", None)
+    db_conn.execute("UPDATE dead_letters SET created_at = now() - interval '3 hours'")
+    db_conn.execute("UPDATE transactions SET updated_at = now() - interval '3 hours'")
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        assert dlq.replay(c, again, TRUST, "tester").result == dlq.REPLAYED
+        # its next holder's record: dead again (the record statement's conflict update
+        # keeps the open letter and its created_at)
+        db_conn.execute(
+            "UPDATE transactions SET status = 'dead', updated_at = now()"
+            " WHERE transaction_id = 're1-tx'"
+        )
+        assert [d.id for d in dlq.list_dead_letters(c, since_seconds=3600)] == [again]
+        assert [d.id for d in dlq.list_dead_letters(c)] == [again, old]
