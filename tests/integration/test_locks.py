@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import pytest
@@ -203,16 +203,7 @@ def test_deleted_key_is_noticed_within_a_third_of_the_ttl(
     try:
         assert a.acquire()
         time.sleep(0.05)
-        redis_client.delete(a.key)
-        batches, t0 = renewer.batches, time.monotonic()
-        assert lost.wait(2)
-        noticed = time.monotonic() - t0
-        # noticed by the first renewal after the delete, due a third of the TTL after the
-        # last one (a second only if the first was in flight and ran before the delete):
-        # counted, not timed, so that a loaded host's scheduling delay decides nothing
-        assert renewer.batches - batches <= 2, renewer.batches - batches
-        # and before the lease would have run out anyway
-        assert noticed < ttl_ms / 1000, noticed
+        _noticed_by_the_next_renewal(renewer, lost, ttl_ms, lambda: redis_client.delete(a.key))
     finally:
         renewer.close()  # its thread stops whatever failed above
     assert reasons == ["expired"]
@@ -221,6 +212,21 @@ def test_deleted_key_is_noticed_within_a_third_of_the_ttl(
     with pytest.raises(LockLost):
         a.ensure_held()
     assert not a.release()  # nothing of ours left to delete
+
+
+def _noticed_by_the_next_renewal(
+    renewer: Renewer, lost: threading.Event, ttl_ms: int, fault: Callable[[], object]
+) -> None:
+    """``fault`` takes the lock's key away: the first renewal after it finds the lock lost (a
+    second only if the first was in flight and ran before the fault). Counted, not timed, so
+    that a loaded host's scheduling delay decides nothing; and before the lease would have run
+    out anyway."""
+    fault()
+    batches, t0 = renewer.batches, time.monotonic()
+    assert lost.wait(5)
+    noticed = time.monotonic() - t0
+    assert renewer.batches - batches <= 2, renewer.batches - batches
+    assert noticed < ttl_ms / 1000, noticed
 
 
 def test_stolen_key_is_noticed_and_not_extended(redis_client: redis.Redis, engine: Engine) -> None:
@@ -249,19 +255,14 @@ def test_redis_flushed_and_connections_killed_is_noticed(
     a = make_lock(holder, engine, ttl_ms=ttl_ms, renewer=renewer, on_lost=lambda _r: lost.set())
     try:
         assert a.acquire()
-        redis_client.flushdb()
-        for client in redis_client.client_list():
-            if client.get("name") == "lock-holder":
-                redis_client.client_kill_filter(_id=client["id"])
-        batches, t0 = renewer.batches, time.monotonic()
-        assert lost.wait(5)
-        noticed = time.monotonic() - t0
-        # noticed by the first renewal after the flush (a second only if the first was in
-        # flight and ran before it): counted, not timed, so that a loaded host's scheduling
-        # delay decides nothing
-        assert renewer.batches - batches <= 2, renewer.batches - batches
-        # and before the lease would have run out anyway
-        assert noticed < ttl_ms / 1000, noticed
+
+        def restart() -> None:
+            redis_client.flushdb()
+            for client in redis_client.client_list():
+                if client.get("name") == "lock-holder":
+                    redis_client.client_kill_filter(_id=client["id"])
+
+        _noticed_by_the_next_renewal(renewer, lost, ttl_ms, restart)
     finally:
         renewer.close()
     assert a.lost_reason == "expired"
