@@ -31,9 +31,10 @@ def run_with_fault(
     fault: Callable[[int], None],
     env: dict[str, str] | None = None,
     latency_ms: int = 20,
+    concurrency: int = 16,
 ) -> dict[str, Any]:
-    """Submit, start one worker, run ``fault(worker_pid)`` in a thread while it drains, and
-    collect what the assertions need."""
+    """Submit, start one worker of ``concurrency`` slots, run ``fault(worker_pid)`` in a
+    thread while it drains, and collect what the assertions need."""
     port = free_port()
     full_env = {
         **os.environ,
@@ -46,7 +47,7 @@ def run_with_fault(
         **(env or {}),
     }
     total = accounts * items
-    with LocalCluster(workdir=tmp_path, env=full_env, concurrency=16) as cluster:
+    with LocalCluster(workdir=tmp_path, env=full_env, concurrency=concurrency) as cluster:
         cluster.start_simulator(rate=100, latency_ms=latency_ms)
         for b in make_batches(batches=accounts, items=items, accounts=accounts, prefix="blip"):
             assert submit_batch(b).status == "accepted"

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from payment_worker.worker.queueing import enqueue_batch
 from tests.blips import assert_nothing_lost_or_doubled, run_with_fault, series
 from tests.conftest import PwEnv
 from tests.lock_helpers import TcpProxy
@@ -37,6 +38,10 @@ def test_a_lock_store_outage_costs_a_pause_not_a_task(pw_env: PwEnv, tmp_path: P
     def cut_redis(_pid: int) -> None:
         t0 = time.monotonic()
         proxy.cut()
+        # a message that arrives during the outage (the broker is up): its task meets it at
+        # its lock take, whatever the drains in flight were doing then (a holder between two
+        # requests needs no Redis for 2 s: its token, pacing lease and lock are in hand)
+        enqueue_batch("blip-batch-00000")
         time.sleep(2.0)
         proxy.reopen()
         outage.append(time.monotonic() - t0)
@@ -50,12 +55,16 @@ def test_a_lock_store_outage_costs_a_pause_not_a_task(pw_env: PwEnv, tmp_path: P
             fault=cut_redis,
             env={"REDIS_URL": proxied, "SWEEPER_STALE_AFTER": "2"},
             latency_ms=50,
+            # a slot free for the message sent during the outage, whatever the drains do
+            concurrency=32,
         )
     finally:
         proxy.cut()
     assert outage and outage[0] >= 2.0
     assert_nothing_lost_or_doubled(out)
     executions = series(out["metrics"], "payment_worker_task_executions_total")
-    # the outage was met (a task's take refused, or a holder's liveness lapsed) and seen
-    assert executions.get("redis_unavailable", 0) + executions.get("lock_lost", 0) > 0, executions
+    # the outage was met: the heartbeats failed, and the task of the message that arrived
+    # during it ended redis_unavailable (no crash record: checked above)
+    assert series(out["metrics"], "payment_worker_liveness_beats_total").get("error", 0) > 0
+    assert executions.get("redis_unavailable", 0) > 0, executions
     print(f"\noutage {outage[0]:.1f}s; executions {executions}")
