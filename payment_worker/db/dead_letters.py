@@ -18,12 +18,13 @@ UPDATE waits for the winner's row lock, re-checks ``status = 'dead'`` and change
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, text
+
+from payment_worker.db import jsonb
 
 TASK_CRASHED = "task_crashed"
 
@@ -339,7 +340,7 @@ def record_task_crash(
         "batch_id": batch_id,
         "reason": TASK_CRASHED,
         "error_class": error_class,
-        "payload": json.dumps(payload, default=repr),
+        "payload": jsonb.dumps(payload, default=repr),
     }
     return int(conn.execute(_CRASHED, params).scalar_one())
 

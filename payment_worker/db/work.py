@@ -10,7 +10,6 @@ the write to commit, so the order is strict.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, text
 
+from payment_worker.db import jsonb
 from payment_worker.db.driver import AnyConnection, Statement, fetch
 from payment_worker.db.fences import FENCE_CTE, NEXT_FENCE_CTE, execute_fenced, fence_params
 from payment_worker.db.models import OPEN_TX_PREDICATE, sql_values
@@ -262,13 +262,6 @@ SELECT (SELECT count(*) FROM upd) AS updated, (SELECT count(*) FROM fence) AS fe
 """)
 
 
-def _pg_text(value: str | None) -> str | None:
-    # Postgres text and jsonb hold no NUL character, and the gateway's answers (a body
-    # decoded with replacement, a JSON string's "\u0000") may carry one: refused, the whole
-    # chunk's outcomes would be lost, again at every try
-    return value.replace("\x00", "\ufffd") if value else value
-
-
 def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
     # the JSON keys are the columns of the recordset in _RECORD
     d = o.decision
@@ -278,9 +271,9 @@ def _outcome_row(o: ItemOutcome) -> dict[str, Any]:
         "attempts": o.attempts,
         "lookups": o.lookups,
         "delay": max(d.delay, 0.0),
-        "payment_id": _pg_text(d.payment_id),
-        "error_class": _pg_text(d.error_class),
-        "error": _pg_text(d.error[:1000] if d.error else None),
+        "payment_id": d.payment_id,
+        "error_class": d.error_class,
+        "error": (d.error[:1000] if d.error else None),
         # no final answer: "sent" (maybe applied) once a request of this step left
         "key_status": d.key_status or (KeyStatus.SENT if o.reached else None),
         "dead_reason": d.dead_reason,
@@ -299,7 +292,7 @@ def record_outcomes(
     """
     if not outcomes:
         return 0
-    rows = json.dumps([_outcome_row(o) for o in outcomes])
+    rows = jsonb.dumps([_outcome_row(o) for o in outcomes])
     result = execute_fenced(conn, _RECORD, {"rows": rows}, account_id=account_id, token=token)
     return int(result[0]["updated"])
 
@@ -426,7 +419,7 @@ def record_and_finish(
     """:func:`record_outcomes` and :func:`complete_and_next_due` in one fenced statement, for
     a drain's last chunk: rows changed, batches completed, seconds until the next due item
     (None: nothing open). A stale ``token`` raises FencedOut and writes nothing."""
-    rows = json.dumps([_outcome_row(o) for o in outcomes])
+    rows = jsonb.dumps([_outcome_row(o) for o in outcomes])
     [row] = execute_fenced(
         conn, _RECORD_AND_FINISH, {"rows": rows}, account_id=account_id, token=token
     )
@@ -474,7 +467,7 @@ def record_and_claim(
     :func:`complete_batches` of ``ended`` (the batches that ended in the chunk: their ids
     when complete), and :func:`claim_due` of up to ``limit`` items for the next chunk, never
     one of the rows just recorded. A stale ``token`` raises FencedOut and writes nothing."""
-    params = {"rows": json.dumps([_outcome_row(o) for o in outcomes]), "pks": list(ended)}
+    params = {"rows": jsonb.dumps([_outcome_row(o) for o in outcomes]), "pks": list(ended)}
     rows = execute_fenced(
         conn, _RECORD_AND_CLAIM, {**params, "n": limit}, account_id=account_id, token=token
     )

@@ -266,3 +266,25 @@ def test_since_finds_an_item_that_died_again_after_its_replay(
         )
         assert [d.id for d in dlq.list_dead_letters(c, since_seconds=3600)] == [again]
         assert [d.id for d in dlq.list_dead_letters(c)] == [again, old]
+
+
+def test_a_crash_whose_text_holds_a_nul_is_written(rt: runtime.Runtime, db_conn: Any) -> None:
+    """An exception's text with a NUL in it (a message that does not decode): written with
+    U+FFFD, not refused by Postgres and retried without end."""
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        dl_id = dlq.record_task_crash(
+            c,
+            task_name="payment_worker.process_account_batch",
+            args=["b\x00"],
+            error_class="DecodeError",
+            error="message could not be decoded: b'\x00\x01'",
+            traceback_digest="d",
+            batch_id=None,
+            task_id="t-1",
+        )
+    row = db_conn.execute(
+        "SELECT payload->>'last_error', payload->'args'->>0 FROM dead_letters WHERE id = %s",
+        (dl_id,),
+    ).fetchone()
+    assert row == ("message could not be decoded: b'\ufffd\x01'", "b\ufffd")
