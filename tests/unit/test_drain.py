@@ -8,6 +8,7 @@ was sent, what was written and what was put on the queue.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -281,30 +282,39 @@ def test_a_busy_account_gets_a_mark_and_no_send(w: World) -> None:
     assert w.queue.marks == {ACCT: "batch-1"} and w.gateway.calls == []
 
 
-def test_the_holder_rechecks_the_mark_after_releasing_and_drains_again(w: World) -> None:
-    w.store.add(ACCT, 1, 2)
-    late: list[object] = []
-    first_lock: list[FakeLock] = []
+def _work_arrives_at_release(w: World, arrive: Callable[[], None], times: int) -> None:
+    """Before each of the first ``times`` lock releases, ``arrive()``: a batch committed
+    after the holder's last claim, whose task found the lock busy and left its mark (only
+    the holder's check as it releases sees it then)."""
+    left = [times]
 
     def lock_for(account_id: str) -> FakeLock:
         lock = World.lock_for(w, account_id)
-        if not first_lock:
-            first_lock.append(lock)
+        if left[0] > 0:
+            left[0] -= 1
             release = lock.release
 
-            def new_work_then_release(
+            def arrive_then_release(
                 arrival: Arrival | None = None, rider: EndRider | None = None
             ) -> bool:
-                # a batch committed after the holder's last claim, whose task found the lock
-                # busy and left its mark: only the holder's check as it releases sees it now
-                late.extend(w.store.add(ACCT, 2, 3))
-                w.queue.announce(ACCT, "batch-2")
+                arrive()
                 return release(arrival, rider)
 
-            lock.release = new_work_then_release  # type: ignore[method-assign]
+            lock.release = arrive_then_release  # type: ignore[method-assign]
         return lock
 
     w.lock_for = lock_for  # type: ignore[method-assign]
+
+
+def test_the_holder_rechecks_the_mark_after_releasing_and_drains_again(w: World) -> None:
+    w.store.add(ACCT, 1, 2)
+    late: list[object] = []
+
+    def arrive() -> None:
+        late.extend(w.store.add(ACCT, 2, 3))
+        w.queue.announce(ACCT, "batch-2")
+
+    _work_arrives_at_release(w, arrive, times=1)
     w.run()
     assert len(w.locks) == 2  # drained, released, saw the mark, drained again
     assert w.store.statuses() == {"succeeded": 5} and len(late) == 3
@@ -523,22 +533,12 @@ def test_work_that_keeps_arriving_is_handed_back_after_a_slice_not_drained_for_e
     w.gateway.on_call = lambda kind, key: w.clock.sleep(1.0)  # each request takes 1 s
     batches = iter(range(2, 100))
 
-    def lock_for(account_id: str) -> FakeLock:
-        lock = World.lock_for(w, account_id)
-        release = lock.release
+    def arrive() -> None:
+        n = next(batches)
+        w.store.add(ACCT, n, 1)
+        w.queue.announce(ACCT, f"batch-{n}")
 
-        def new_batch_then_release(
-            arrival: Arrival | None = None, rider: EndRider | None = None
-        ) -> bool:
-            n = next(batches)
-            w.store.add(ACCT, n, 1)
-            w.queue.announce(ACCT, f"batch-{n}")
-            return release(arrival, rider)
-
-        lock.release = new_batch_then_release  # type: ignore[method-assign]
-        return lock
-
-    w.lock_for = lock_for  # type: ignore[method-assign]
+    _work_arrives_at_release(w, arrive, times=100)
     report = w.run()
     assert report.handed_off  # type: ignore[attr-defined]
     assert w.queue.handed_off == [(ACCT, "batch-1")]
