@@ -10,7 +10,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from psycopg import errors as pg_errors
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
+
 from payment_worker import embedded, runtime
+from payment_worker.db.retry import short_error
+from payment_worker.ops.redaction import redact
 from payment_worker.runtime import Runtime
 from payment_worker.settings import Settings, SettingsError
 
@@ -60,9 +66,25 @@ def stop_on_sigint() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# a statement naming what the schema does not have: the database was never migrated, or
+# is behind this code
+_SCHEMA_BEHIND = (pg_errors.UndefinedTable, pg_errors.UndefinedColumn, pg_errors.UndefinedFunction)
+
+
+def database_error(exc: BaseException) -> str:
+    """A database error in one line for a person: its first line only (SQLAlchemy's text
+    goes on with the statement and its parameters, a batch's beneficiaries among them), URL
+    passwords and account numbers masked, and what to do when the schema is missing."""
+    line = f"database error: {redact(short_error(exc))}"
+    if isinstance(getattr(exc, "orig", None) or exc, _SCHEMA_BEHIND):
+        line += " (the schema is missing or older than this code: run `payment-worker db upgrade`)"
+    return line
+
+
 def guarded(body: Callable[[], int]) -> int:
     """Run ``body`` and turn the failures of the set-up into exit codes, without a traceback:
-    a bad setting or an embedded-server problem is one line and 2, Ctrl-C is 130."""
+    a bad setting or an embedded-server problem is one line and 2, an unreachable or
+    refusing database or Redis one line and 1, Ctrl-C 130."""
     try:
         return body()
     except SettingsError as exc:
@@ -71,6 +93,13 @@ def guarded(body: Callable[[], int]) -> int:
         # a missing extra, an OS user that cannot be created...: the set-up, not a bug
         print(f"payment-worker: {exc}", file=sys.stderr)
         return 2
+    except SQLAlchemyError as exc:
+        # the commands that can stop half-way say what they did before this line
+        print(f"payment-worker: {database_error(exc)}", file=sys.stderr)
+        return 1
+    except RedisError as exc:
+        print(f"payment-worker: Redis error: {redact(short_error(exc))}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -30,6 +30,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from payment_worker import embedded, runtime
+from payment_worker.cli.common import database_error
 from payment_worker.db import dead_letters as store
 from payment_worker.domain.statuses import DeadReason
 from payment_worker.errors import PaymentWorkerError
@@ -123,8 +124,7 @@ def _guard(cmd: str) -> Callable[[F], F]:
                 # the database is down or refused: not bad input. Nothing is half-done: each
                 # item is one statement, and replay and resolve report each item as it ran, so
                 # the lines above this one are the items that were changed
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-                _fail(cmd, f"database error: {redact(first)}", 1)
+                _fail(cmd, database_error(exc), 1)
 
         inner.__name__ = f.__name__
         inner.__doc__ = f.__doc__

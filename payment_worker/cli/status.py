@@ -23,9 +23,8 @@ from typing import TextIO
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from payment_worker.cli.common import Context, closed_output
+from payment_worker.cli.common import Context, closed_output, database_error
 from payment_worker.domain.statuses import TxStatus
-from payment_worker.ops.redaction import redact
 from payment_worker.producer.status import BatchStatus, item_json, shown_error, stream_batches
 
 _ERROR_WIDTH = 60
@@ -114,8 +113,7 @@ def status(args: argparse.Namespace, ctx: Context) -> int:
             seen = write_json(batches, out) if args.json else write_table(batches, out)
         out.flush()
     except SQLAlchemyError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        print(f"payment-worker status: database error: {redact(first)}", file=sys.stderr)
+        print(f"payment-worker status: {database_error(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # the reader went away (``| head``): stop quietly, and keep Python's exit-time flush

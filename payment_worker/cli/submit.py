@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from payment_worker.cli.common import Context, closed_output
+from payment_worker.cli.common import Context, closed_output, database_error
 from payment_worker.domain import batch_schema as schemas
 from payment_worker.errors import PaymentWorkerError
 
@@ -114,7 +114,7 @@ def submit(args: argparse.Namespace, ctx: Context) -> int:
                 print(
                     f"payment-worker submit: database error at batch {where!r}: it was most "
                     "likely not saved, and the batches after it were not tried (submitting "
-                    f"them again is safe: a saved batch answers duplicate): {exc}",
+                    f"them again is safe: a saved batch answers duplicate): {database_error(exc)}",
                     file=sys.stderr,
                 )
                 return 1

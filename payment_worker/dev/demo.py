@@ -33,12 +33,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from payment_worker import embedded
 from payment_worker.db import migrate, reports
+from payment_worker.db.retry import short_error
 from payment_worker.dev import demo_workload as workload
 from payment_worker.dev.demo_chaos import Chaos
 from payment_worker.dev.demo_report import WorkerMetrics, build_report, render
 from payment_worker.dev.local_cluster import LocalCluster, ManagedProcess, free_port
 from payment_worker.dev.reconcile import reconcile
 from payment_worker.domain.statuses import TERMINAL_TX_STATUSES
+from payment_worker.ops.redaction import redact
 from payment_worker.runtime import Runtime
 from payment_worker.settings import Settings
 
@@ -206,7 +208,11 @@ def run_demo(settings: Settings, runtime: Callable[[], Runtime], opts: DemoOptio
                 import traceback
 
                 traceback.print_exc()  # to demo.log
-                print(f"payment-worker demo: {exc} (details in {run_dir})", file=real_stderr)
+                # its first line (a database error's text goes on with the statement)
+                print(
+                    f"payment-worker demo: {redact(short_error(exc))} (details in {run_dir})",
+                    file=real_stderr,
+                )
                 return 1
     finally:
         # a second Ctrl-C must not cut the clean-up short
