@@ -111,6 +111,13 @@ class Settings(BaseSettings):
     # a drain retries transient database errors (disconnects, admin shutdown, failover,
     # serialization failures, pool timeouts) for this long, then hands the account back
     db_retry_max_seconds: float = Field(10.0, gt=0)
+    # a migration waits this long for a table lock, then gives up and tries again: while it
+    # waits, every statement on that table queues behind it (the drains included). 0: waits
+    # without a bound
+    migration_lock_timeout_ms: int = Field(2_000, ge=0)
+    # how long `db upgrade` / `db downgrade` keep trying after such a lock timeout (backoff
+    # with jitter) before they stop with nothing changed
+    migration_retry_seconds: float = Field(300.0, ge=0)
 
     # --- gateway --------------------------------------------------------------------------
     gateway_url: str = "http://127.0.0.1:8700"

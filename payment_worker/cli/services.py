@@ -4,6 +4,7 @@ PostgreSQL and Redis."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from payment_worker import embedded
 from payment_worker.cli.common import Context
@@ -16,14 +17,18 @@ def db(args: argparse.Namespace, ctx: Context) -> int:
     from payment_worker.db import migrate
 
     url = ServiceUrls.resolve(ctx.settings).sqlalchemy
-    if args.action == "upgrade":
-        migrate.upgrade(url, revision=args.revision or "head")
-        print("database schema is at head")
-    elif args.action == "downgrade":
-        migrate.downgrade(url, revision=args.revision or "base")
-        print(f"database schema downgraded to {args.revision or 'base'}")
-    else:
-        migrate.current(url)
+    try:
+        if args.action == "upgrade":
+            migrate.upgrade(url, revision=args.revision or "head")
+            print(f"database schema is at {args.revision or 'head'}")
+        elif args.action == "downgrade":
+            migrate.downgrade(url, revision=args.revision or "base")
+            print(f"database schema downgraded to {args.revision or 'base'}")
+        else:
+            migrate.current(url)
+    except migrate.MigrationLockTimeout as exc:
+        print(f"payment-worker db {args.action}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

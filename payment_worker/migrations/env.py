@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine, pool
+from sqlalchemy import create_engine, pool, text
 
+from payment_worker.db.migrate import ADVISORY_LOCK_KEY
 from payment_worker.db.models import metadata
 from payment_worker.runtime import ServiceUrls
 from payment_worker.settings import load_settings
@@ -24,11 +25,26 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
+def _lock_timeout_ms() -> int:
+    got = config.attributes.get("lock_timeout_ms")
+    return int(got) if got is not None else load_settings().migration_lock_timeout_ms
+
+
 def run_migrations_online() -> None:
     engine = create_engine(_url(), poolclass=pool.NullPool)
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata)
+        # one transaction for the whole run (alembic's default): a run that gives up below
+        # leaves nothing half-applied
         with context.begin_transaction():
+            # one migrator at a time (two deploy hosts at once): the second waits here, then
+            # reads the version the first committed. No bound on this wait: it queues no
+            # drain behind it
+            connection.execute(text("SET LOCAL lock_timeout = 0"))
+            connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY})
+            # a table lock this run waits for queues every statement on that table behind it
+            # (the drains'): bounded, and db/migrate.py tries the run again later
+            connection.execute(text(f"SET LOCAL lock_timeout = {_lock_timeout_ms()}"))
             context.run_migrations()
     engine.dispose()
 

@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import psycopg
+import pytest
 
 from payment_worker.db import migrate
 from tests.conftest import PwEnv
@@ -15,6 +18,7 @@ def _tables(conn: psycopg.Connection) -> set[str]:  # type: ignore[type-arg]
 
 
 EXPECTED = {"batches", "transactions", "idempotency_keys", "account_fences", "dead_letters"}
+_HEAD = "0008"
 
 
 def test_upgrade_twice_then_downgrade_and_up(pw_env: PwEnv, db_conn: psycopg.Connection) -> None:  # type: ignore[type-arg]
@@ -159,3 +163,77 @@ def test_0008_dates_the_doubt_of_dead_items_that_were_ever_looked_up(
         "never": (None, True),
         "paid": (None, True),
     }
+
+
+def test_two_upgrades_at_once_take_turns(pw_env: PwEnv, db_conn: psycopg.Connection) -> None:  # type: ignore[type-arg]
+    """Two deploy hosts run ``db upgrade`` on an empty database at the same moment: both end
+    well and the schema is at head once (without the advisory lock, the second's CREATE
+    TABLE met the first's and failed on a duplicate). Processes, as on two hosts: alembic's
+    ``context`` is one per process."""
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    migrate.downgrade(url, "base")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "payment_worker.cli", "db", "upgrade"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert _tables(db_conn) >= EXPECTED
+    heads = db_conn.execute("SELECT version_num FROM alembic_version").fetchall()
+    assert heads == [(_HEAD,)]
+
+
+def test_a_migration_waits_for_a_table_lock_a_bounded_time_and_tries_again(
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    """A long transaction reads ``transactions`` while 0005 (a DROP INDEX: an exclusive lock
+    on the table) is to run. Every statement on that table queues behind a migration that
+    waits for its lock, so the migration waits at most MIGRATION_LOCK_TIMEOUT_MS at a time:
+    a reader meanwhile waits no longer than that, not until the long transaction ends (4 s
+    here). The migration rolls back whole, tries again, and is at head once the long
+    transaction has ended; with too short a retry budget it stops with nothing changed."""
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    migrate.downgrade(url, "0004")
+    with psycopg.connect(pw_env.database_url) as blocker:
+        blocker.execute("SELECT count(*) FROM transactions").fetchone()  # holds ACCESS SHARE
+        with pytest.raises(migrate.MigrationLockTimeout, match="nothing was changed"):
+            migrate.upgrade(url, lock_timeout_ms=200, retry_seconds=0.5)
+        version = db_conn.execute("SELECT version_num FROM alembic_version").fetchone()
+        assert version == ("0004",)
+
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def upgrade() -> None:
+            try:
+                migrate.upgrade(url, lock_timeout_ms=200, retry_seconds=60)
+            except BaseException as exc:
+                failed.append(exc)
+            finally:
+                done.set()
+
+        upgrader = threading.Thread(target=upgrade)
+        upgrader.start()
+        waits: list[float] = []
+        with psycopg.connect(pw_env.database_url, autocommit=True) as reader:
+            ends = time.monotonic() + 4
+            while time.monotonic() < ends:
+                began = time.monotonic()
+                reader.execute("SELECT count(*) FROM transactions").fetchone()
+                waits.append(time.monotonic() - began)
+                time.sleep(0.05)
+        assert not done.is_set()  # it keeps trying while the long transaction lasts
+        blocker.rollback()
+    upgrader.join(timeout=120)
+    assert failed == []
+    # at most one lock timeout's wait (200 ms) behind the migration, with room for a slow
+    # host; the long transaction itself lasted 4 s
+    assert max(waits) < 1.5, sorted(waits)[-5:]
+    version = db_conn.execute("SELECT version_num FROM alembic_version").fetchone()
+    assert version == (_HEAD,)
