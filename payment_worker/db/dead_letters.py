@@ -36,6 +36,14 @@ TASK_CRASHED = "task_crashed"
 REPLAYABLE_REASONS = ("retries_exhausted", "unknown_unresolved", "in_doubt_key_expired")
 _REPLAYABLE = ", ".join(f"'{r}'" for r in REPLAYABLE_REASONS)
 
+# Since when the sends of a dead item ``t`` count as in doubt for the key trust. A 404 within
+# the trust clears doubt_since and the item goes on under its key; if it then died (attempts
+# used up), its row reads "never in doubt" though it was, and a send of it may still have
+# been applied (a paused holder's that left late) and be forgotten by the gateway past its
+# retention. So an item ever looked up is dated from its creation, as migration 0008 did for
+# the rows it found: past the trust, a person decides.
+DOUBT_SINCE = "COALESCE(t.doubt_since, CASE WHEN t.lookups > 0 THEN t.created_at END)"
+
 # how a dead letter's state is computed (see the module docstring); ``t`` is its transaction
 _STATE = """CASE WHEN d.resolved_at IS NOT NULL THEN 'resolved'
      WHEN d.transaction_pk IS NULL OR t.status = 'dead' THEN 'open'
@@ -57,8 +65,8 @@ SELECT d.id, d.reason, d.error_class, d.attempts AS dl_attempts, d.payload, d.cr
        {_STATE} AS state,
        t.account_id, t.transaction_id, t.status AS tx_status, t.attempts, t.lookups,
        t.amount, t.currency, t.beneficiary, t.idempotency_key, t.last_error_class,
-       t.last_error, t.gateway_payment_id, t.doubt_since, t.next_attempt_at,
-       EXTRACT(EPOCH FROM now() - t.doubt_since)::float8 AS doubt_age,
+       t.last_error, t.gateway_payment_id, {DOUBT_SINCE} AS doubt_since, t.next_attempt_at,
+       EXTRACT(EPOCH FROM now() - {DOUBT_SINCE})::float8 AS doubt_age,
        b.batch_id, b.status AS batch_status, b.account_id AS batch_account_id,
        k.status AS key_status, k.result_ref AS key_result_ref, k.attempts AS key_attempts,
        k.updated_at AS key_updated_at
@@ -132,19 +140,19 @@ def known_reasons(conn: Connection) -> set[str]:
 
 # One statement: the transaction goes back from dead to unknown (looked up first under its
 # original key by the next holder, sent again only on a 404 within the key trust), due now,
-# with a fresh attempt budget, its doubt_since kept (its unsent_since cleared: a replay is a
-# fresh start, not a stall); the dead letter counts the replay; a
+# with a fresh attempt budget, its doubt dated as DOUBT_SINCE says (its unsent_since cleared:
+# a replay is a fresh start, not a stall); the dead letter counts the replay; a
 # completed batch is reopened so that its counts are written again when it completes.
 # Nothing changes unless the transaction is still dead, this dead letter is its open one, and
 # no send of it has been in doubt for longer than the key trust.
 _REPLAY = text(f"""
 WITH tx AS (
     UPDATE transactions t SET status = 'unknown', attempts = 0, next_attempt_at = now(),
-        unsent_since = NULL, updated_at = now()
+        unsent_since = NULL, doubt_since = {DOUBT_SINCE}, updated_at = now()
     FROM dead_letters d
     WHERE d.id = :id AND d.transaction_pk = t.id AND d.resolved_at IS NULL
       AND t.status = 'dead' AND d.reason IN ({_REPLAYABLE})
-      AND (t.doubt_since IS NULL OR t.doubt_since > now() - make_interval(secs => :trust))
+      AND ({DOUBT_SINCE} IS NULL OR {DOUBT_SINCE} > now() - make_interval(secs => :trust))
     RETURNING t.id, t.batch_pk, t.account_id
 ),
 dl AS (
@@ -170,10 +178,10 @@ SELECT tx.id, tx.account_id, b.batch_id FROM tx JOIN batches b ON b.id = tx.batc
 """)
 
 # why a replay changed nothing (read after the fact, only to explain it)
-_WHY_NOT = text("""
+_WHY_NOT = text(f"""
 SELECT d.resolved_at IS NOT NULL AS resolved, d.transaction_pk IS NULL AS no_tx,
-       d.reason, t.status, t.doubt_since IS NOT NULL
-                 AND t.doubt_since <= now() - make_interval(secs => :trust) AS expired
+       d.reason, t.status, {DOUBT_SINCE} IS NOT NULL
+                 AND {DOUBT_SINCE} <= now() - make_interval(secs => :trust) AS expired
 FROM dead_letters d LEFT JOIN transactions t ON t.id = d.transaction_pk
 WHERE d.id = :id
 """)

@@ -288,3 +288,44 @@ def test_a_crash_whose_text_holds_a_nul_is_written(rt: runtime.Runtime, db_conn:
         (dl_id,),
     ).fetchone()
     assert row == ("message could not be decoded: b'\ufffd\x01'", "b\ufffd")
+
+
+def test_an_item_once_looked_up_replays_only_within_the_trust_from_its_creation(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    """A 404 cleared the doubt of these items and they died later with no attempt left
+    (``doubt_since`` NULL, ``lookups`` > 0), as the record statement leaves them. A send of
+    theirs may still have landed after that 404 (a paused holder's): past the key trust from
+    their creation a replay would meet the gateway's forgetting and pay again, so it is
+    refused, and ``show`` says so; within it the replay dates the doubt from the creation,
+    so the next holder judges its 404 by that date. One never looked up replays at any age."""
+    old = _dead(db_conn, "lk-old", "retries_exhausted", None)
+    young = _dead(db_conn, "lk-young", "retries_exhausted", None)
+    never = _dead(db_conn, "lk-never", "retries_exhausted", None)
+    db_conn.execute(
+        "UPDATE transactions SET lookups = 2, created_at = now() - CASE transaction_id"
+        f" WHEN 'lk-old-tx' THEN interval '{TRUST + 600} seconds' ELSE interval '10 minutes' END"
+        " WHERE transaction_id IN ('lk-old-tx', 'lk-young-tx')"
+    )
+    db_conn.execute(
+        "UPDATE transactions SET created_at = now() - interval '30 days'"
+        " WHERE transaction_id = 'lk-never-tx'"
+    )
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        shown = dlq.get_dead_letter(c, old)
+        assert shown is not None and shown.row["doubt_age"] >= TRUST + 600
+        refused = dlq.replay_refusal(c, old, TRUST)
+        assert refused is not None and refused.result == dlq.KEY_EXPIRED
+        r = dlq.replay(c, old, TRUST, "t")
+        assert r.result == dlq.KEY_EXPIRED and r.detail == dlq.WILL_NOT_RESEND
+        assert dlq.replay(c, young, TRUST, "t").result == dlq.REPLAYED
+        assert dlq.replay(c, never, TRUST, "t").result == dlq.REPLAYED
+    assert _status(db_conn, "lk-old") == ("dead", 8)
+    dated = dict(
+        db_conn.execute(
+            "SELECT transaction_id, doubt_since = created_at FROM transactions"
+            " WHERE transaction_id IN ('lk-young-tx', 'lk-never-tx')"
+        ).fetchall()
+    )
+    assert dated == {"lk-young-tx": True, "lk-never-tx": None}
