@@ -41,13 +41,23 @@ _DEAD_LETTER_TOTALS = text(
     " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE resolved_at IS NULL)), 0)"
     " AS oldest_open FROM dead_letters GROUP BY reason"
 )
+STALE_DISPATCH_SECONDS = 60
+"""A ``dispatching`` item older than this is in doubt, not in flight: a request ends within
+the gateway timeouts (seconds), so its sender died with it on the wire (nothing looks it
+up until a holder takes the account: every worker down, the account stuck)."""
+
+# in doubt: unknown, or left dispatching (its clock is doubt_since, else its dispatch)
+_IN_DOUBT = (
+    f"status = 'unknown' OR (status = 'dispatching' AND coalesce(dispatched_at, updated_at)"
+    f" < now() - make_interval(secs => {STALE_DISPATCH_SECONDS}))"
+)
 # open transactions in one pass, spelled like the predicate of the partial indexes on them:
-# in doubt (unknown; its clock is doubt_since), the oldest pending, the oldest of all, the
-# accounts that have any, and those retried in vain (unsent_since: no request has left)
+# in doubt, the oldest pending, the oldest of all, the accounts that have any, and those
+# retried in vain (unsent_since: no request has left)
 _OPEN_WORK = text(
-    "SELECT count(*) FILTER (WHERE status = 'unknown') AS in_doubt,"
-    " coalesce(extract(epoch FROM now() - min(coalesce(doubt_since, updated_at))"
-    " FILTER (WHERE status = 'unknown')), 0) AS oldest_in_doubt,"
+    f"SELECT count(*) FILTER (WHERE {_IN_DOUBT}) AS in_doubt,"
+    " coalesce(extract(epoch FROM now() - min(coalesce(doubt_since, dispatched_at, updated_at))"
+    f" FILTER (WHERE {_IN_DOUBT})), 0) AS oldest_in_doubt,"
     " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)"
     " AS oldest_pending,"
     " coalesce(extract(epoch FROM now() - min(created_at)), 0) AS oldest_open,"
@@ -91,7 +101,9 @@ class StateSnapshot:
     transactions: dict[str, int]
     batches: dict[str, int]
     oldest_open_age: float  # the oldest non-terminal transaction, since it was created
-    in_doubt: int = 0  # transactions whose outcome is unknown (status unknown)
+    # transactions that may have been paid, outcome not known: unknown, or left dispatching
+    # for over STALE_DISPATCH_SECONDS
+    in_doubt: int = 0
     oldest_in_doubt_age: float = 0.0  # since its oldest send in doubt (doubt_since)
     oldest_pending_age: float = 0.0  # the oldest transaction never sent, since created
     accounts_waiting: int = 0  # accounts with at least one non-terminal transaction

@@ -101,12 +101,13 @@ def _postgres(engine: Engine) -> Iterator[Metric]:
     )
     yield _gauge(
         "payment_worker_in_doubt_transactions",
-        "Transactions whose outcome at the gateway is unknown (status unknown).",
+        "Transactions whose outcome at the gateway is unknown: status unknown, or left"
+        " dispatching for over a minute (its sender died with the request on the wire).",
         state.in_doubt,
     )
     yield _gauge(
         "payment_worker_oldest_in_doubt_age_seconds",
-        "Time since the oldest send in doubt of an unknown transaction (0 if none).",
+        "Time since the oldest send in doubt of those transactions (0 if none).",
         state.oldest_in_doubt_age,
     )
     yield _gauge(

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, event
 
 from payment_worker import runtime
+from payment_worker.db import reports
 from payment_worker.dev.local_cluster import LocalCluster
 from payment_worker.domain.statuses import TxStatus
 from payment_worker.ops.exporter import Sources, StateCollector
@@ -333,3 +334,37 @@ def _up(url: str) -> bool:
         return httpx.get(url, timeout=5).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_an_item_left_dispatching_is_in_doubt_one_in_flight_is_not(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    """A ``dispatching`` item whose request left half an hour ago had its sender die with it
+    on the wire: maybe paid, counted and dated as in doubt (the in-doubt alert's gauge once
+    counted ``unknown`` only). One dispatched a moment ago is a request in flight."""
+    db_conn.execute(
+        "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
+        " VALUES ('b1', 'acct-1', 'f1', 'processing', 3)"
+    )
+    for tx, dispatched, doubt in (
+        ("left", "30 minutes", None),  # first send, its sender gone
+        ("resent", "2 minutes", "40 minutes"),  # a resend after a 404: the first send's clock
+        ("in-flight", "0 seconds", None),
+    ):
+        db_conn.execute(
+            "INSERT INTO transactions (batch_pk, account_id, transaction_id, amount, currency,"
+            " beneficiary, idempotency_key, status, created_at, dispatched_at, doubt_since)"
+            " SELECT id, 'acct-1', %s, 100, 'EUR', '{}'::jsonb, %s, 'dispatching',"
+            " now() - interval '1 hour', now() - %s::interval, now() - %s::interval"
+            " FROM batches WHERE batch_id = 'b1'",
+            (tx, f"acct-1:{tx}", dispatched, doubt),
+        )
+    with runtime.current().engine.connect() as conn:
+        state = reports.state_snapshot(conn, statement_timeout_ms=5_000)
+    assert state.in_doubt == 2
+    assert 2400 <= state.oldest_in_doubt_age < 2500
+    db_conn.execute("UPDATE transactions SET doubt_since = NULL")
+    with runtime.current().engine.connect() as conn:
+        state = reports.state_snapshot(conn, statement_timeout_ms=5_000)
+    assert state.in_doubt == 2
+    assert 1800 <= state.oldest_in_doubt_age < 1900
