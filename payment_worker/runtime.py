@@ -155,7 +155,8 @@ class Runtime:
         return cls(load_settings())
 
     def account_lock(self, account_id: str) -> AccountLock:
-        """A new (not yet acquired) lock of ``account_id`` with this process's clients."""
+        """A new (not yet acquired) lock of ``account_id`` with this process's clients;
+        ``with lock:`` waits for it up to ``LOCK_WAIT_TIMEOUT``."""
         s = self.settings
         return AccountLock(
             self.redis,
@@ -164,6 +165,7 @@ class Runtime:
             ttl_ms=s.lock_ttl_ms,
             safety_margin_ms=s.lock_safety_margin_ms,
             key_prefix=s.redis_key_prefix,
+            wait_timeout=s.lock_wait_timeout,
             max_stall=s.lock_max_stall_seconds,
             liveness=self.liveness,
             renewer=self.renewer,

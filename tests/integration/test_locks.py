@@ -443,3 +443,29 @@ def test_a_fence_on_a_connection_that_died_is_retried_and_counted(
         assert after == before + 1
     finally:
         eng.dispose()
+
+
+def test_the_runtimes_lock_waits_for_lock_wait_timeout(
+    pw_env: PwEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``with runtime.account_lock(a):`` waits up to LOCK_WAIT_TIMEOUT for a busy lock (the
+    setting was once accepted and never read: the lock never waited)."""
+    from payment_worker import runtime
+
+    monkeypatch.setenv("LOCK_WAIT_TIMEOUT", "20")
+    runtime.reset()
+    rt = runtime.current()
+    holder = rt.account_lock(ACCOUNT)
+    assert holder.acquire()
+    released = threading.Event()
+
+    def release_soon() -> None:
+        time.sleep(0.3)
+        released.set()
+        holder.release()
+
+    threading.Thread(target=release_soon, daemon=True).start()
+    with rt.account_lock(ACCOUNT) as waiter:
+        assert released.is_set()
+        waiter.ensure_held()
+    assert not lock_is_held(rt.redis, ACCOUNT, rt.settings.redis_key_prefix)
