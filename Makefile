@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-unit test-integration test-install chaos chaos-short lint typecheck check check-alerts bench services-stop clean lock check-arm64
+.PHONY: demo test test-unit test-integration test-install chaos lint typecheck check check-alerts bench services-stop clean lock check-arm64
 
 # Exactly the locked versions (hashes checked), with the embedded servers, dev and bench
 # extras; then the project itself, editable, with no further dependency resolution.
