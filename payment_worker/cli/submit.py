@@ -54,11 +54,15 @@ def iter_documents(text: str) -> Iterator[Any | InputError]:
         else:
             yield whole
         return
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    first = _try_line(lines[0][1]) if lines else None
-    # only a first line that is a whole JSON object on its own makes this JSON lines;
+    # JSON lines end at "\n" (a "\r" before it is dropped), not at every line break
+    # str.splitlines knows: a U+2028 inside a string is part of its line
+    lines = [
+        (n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1) if line.strip()
+    ]
+    # only a first line that is a whole JSON object on its own makes this JSON lines (one
+    # that is refused, a duplicate key, is still such a line, rejected alone below);
     # otherwise it is one broken JSON document, and the message should say where
-    if not isinstance(first, dict):
+    if not lines or not _is_object_text(lines[0][1]):
         raise InputError(_unparsed("input", whole_error))
     for n, line in lines:
         try:
@@ -73,11 +77,14 @@ def _unparsed(what: str, exc: ValueError | None) -> str:
     return f"{what} {verdict}: {exc}"
 
 
-def _try_line(line: str) -> Any:
+def _is_object_text(line: str) -> bool:
+    """Whether ``line`` is one JSON object by its syntax alone (duplicate keys and the like
+    are for the strict parse to refuse)."""
     try:
-        return schemas.loads(line)
+        schemas.check_depth(line)  # the plain parse below must not recurse without a bound
+        return isinstance(json.loads(line), dict)
     except ValueError:
-        return None
+        return False
 
 
 def submit(args: argparse.Namespace, ctx: Context) -> int:

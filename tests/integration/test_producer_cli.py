@@ -129,6 +129,44 @@ def test_a_broken_json_line_is_rejected_alone(
     assert counts(db_conn) == (2, 6, 6)
 
 
+def test_a_first_line_with_a_duplicate_key_is_rejected_alone(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    """A first line that is a whole JSON object but refused (a duplicate key) is a bad line of
+    JSON lines, not a broken document: the other lines are still submitted (the whole input
+    was refused before)."""
+    dup = json.dumps(make_batch("b-1", tx="one"))[:-1] + ', "batch_id": "b-9"}'
+    text = "\r\n".join([dup, json.dumps(make_batch("b-2"))])
+    proc = submit(["-"], stdin=text)
+    assert proc.returncode == 2, proc.stderr
+    out = lines(proc.stdout)
+    assert [(r["batch_id"], r["status"]) for r in out] == [(None, "rejected"), ("b-2", "accepted")]
+    assert out[0]["errors"][0]["message"].startswith("line 1 is not valid JSON")
+    assert "duplicate" in out[0]["errors"][0]["message"]
+    assert counts(db_conn) == (1, 3, 3)
+
+
+def test_json_lines_break_at_newlines_only(pw_env: PwEnv, db_conn: psycopg.Connection[Any]) -> None:
+    """A raw U+2028 inside a string of one line (valid JSON) does not cut that line in two:
+    the line is judged whole (its description is refused as not printable) and the lines
+    after it keep their numbers."""
+    odd = make_batch("b-1", tx="one")
+    odd["items"][1]["description"] = "first\u2028second"
+    text = "\n".join(
+        [json.dumps(odd, ensure_ascii=False), '{"batch_id": ', json.dumps(make_batch("b-3"))]
+    )
+    proc = submit(["-"], stdin=text)
+    assert proc.returncode == 2, proc.stderr
+    out = lines(proc.stdout)
+    assert [(r["batch_id"], r["status"]) for r in out] == [
+        ("b-1", "rejected"),
+        (None, "rejected"),
+        ("b-3", "accepted"),
+    ]
+    assert out[1]["errors"][0]["message"].startswith("line 2 is not valid JSON")
+    assert counts(db_conn) == (1, 3, 3)
+
+
 def test_input_that_is_not_json_exits_2_with_a_clear_message(
     pw_env: PwEnv, db_conn: psycopg.Connection[Any], tmp_path: Path
 ) -> None:
