@@ -59,10 +59,11 @@ def iter_documents(text: str) -> Iterator[Any | InputError]:
     lines = [
         (n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1) if line.strip()
     ]
-    # only a first line that is a whole JSON object on its own makes this JSON lines (one
-    # that is refused, a duplicate key, is still such a line, rejected alone below);
-    # otherwise it is one broken JSON document, and the message should say where
-    if not lines or not _is_object_text(lines[0][1]):
+    # only a first line that is a whole JSON object on its own, with more lines after it,
+    # makes this JSON lines (one that is refused, a duplicate key, is still such a line,
+    # rejected alone below); otherwise it is one broken JSON document, and the message
+    # should say where
+    if len(lines) < 2 or not _is_object_text(lines[0][1]):
         raise InputError(_unparsed("input", whole_error))
     for n, line in lines:
         try:
