@@ -43,6 +43,7 @@ SCHEDULE_EARLIER_BY_MS = 1000
 # KEYS = [the account's scheduled marker]; headers in the files
 _CLAIM_LUA = lua.load("schedule_claim")
 _CLEAR_LUA = lua.load("schedule_clear")
+_MARK_LUA = lua.load("queued_mark")
 
 
 def enqueue_batch(
@@ -52,6 +53,7 @@ def enqueue_batch(
     scheduled_due_ms: int | None = None,
     rt: Runtime | None = None,
     account_id: str | None = None,
+    enqueued_ms: int | None = None,
 ) -> None:
     """Publish one ``process_account_batch`` message carrying only the batch id (and, for a
     delayed message of :func:`schedule`, the due time of its marker as a keyword argument).
@@ -59,16 +61,19 @@ def enqueue_batch(
     With ``rt`` and ``account_id``, a message due now first sets the account's ``queued``
     mark (:func:`mark_queued`): the sweeper then knows the account's message is on its way.
 
+    The message's enqueued-at header (which the sweeper reads off the oldest waiting message)
+    and the mark carry the Redis server's time: the mark's stamp, or ``enqueued_ms`` (a
+    delayed message's, from its schedule), else this host's clock (the mark not written).
+
     Raises the broker's error when it is unreachable; callers that have persisted the batch
     already may ignore it, because the sweeper enqueues pending batches.
     """
     kwargs: dict[str, Any] = {}
     if scheduled_due_ms is not None:
         kwargs[SCHEDULED_DUE_KWARG] = scheduled_due_ms
-    now_ms = int(time.time() * 1000)
     mark = (rt, account_id) if rt is not None and account_id and not countdown else None
-    if mark is not None:
-        mark_queued(*mark, now_ms)
+    stamp = mark_queued(*mark) if mark is not None else None
+    now_ms = stamp or enqueued_ms or int(time.time() * 1000)
     try:
         app.send_task(
             PROCESS_TASK,
@@ -88,17 +93,21 @@ def enqueue_batch(
         raise
 
 
-def mark_queued(rt: Runtime, account_id: str, now_ms: int) -> None:
+def mark_queued(rt: Runtime, account_id: str) -> int | None:
     """Note that a message for the account is being published (before the publish: a holder
-    that takes the account at once deletes the mark after it). Best effort: without the
-    mark the sweeper may send one repair message too many, never one too few."""
+    that takes the account at once deletes the mark after it); its stamp, the Redis server's
+    time in ms, or None when Redis did not answer. Best effort: without the mark the sweeper
+    may send one repair message too many, never one too few."""
     try:
         # the client with short timeouts: a slow Redis must not hold up a publish
-        rt.dedup_redis.set(
-            rt.keys.queued(account_id), now_ms, px=rt.settings.visibility_timeout * 1000
+        script = rt.dedup_redis.register_script(_MARK_LUA)
+        stamp = script(
+            keys=[rt.keys.queued(account_id)], args=[rt.settings.visibility_timeout * 1000]
         )
+        return int(stamp)
     except Exception as exc:
         log.warning("queued_mark_failed", account_id=account_id, error=repr(exc))
+        return None
 
 
 def unmark_queued(rt: Runtime, account_id: str) -> None:
@@ -154,7 +163,12 @@ def schedule(rt: Runtime, account_id: str, batch_id: str, wait: float) -> float:
     if created == 1:
         try:
             enqueue_batch(
-                batch_id, countdown=wait or None, scheduled_due_ms=int(due), account_id=account_id
+                batch_id,
+                countdown=wait or None,
+                scheduled_due_ms=int(due),
+                account_id=account_id,
+                # the claim's time on the Redis server's clock
+                enqueued_ms=int(due) - int(wait * 1000),
             )
         except Exception as exc:
             clear_schedule(rt, account_id, int(due))

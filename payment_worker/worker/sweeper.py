@@ -335,7 +335,15 @@ def _backlog_ms(res: Runtime) -> int:
         log.warning("sweep_broker_unreadable", error=repr(exc))
         return 0
     oldest = _waited_lately(res, oldest)
-    return max(0, int(time.time() * 1000) - oldest) if oldest is not None else 0
+    return max(0, server_now_ms(res) - oldest) if oldest is not None else 0
+
+
+def server_now_ms(res: Runtime) -> int:
+    """The Redis server's clock, ms: the one the queued marks and the messages' enqueued-at
+    headers are stamped with (:func:`~payment_worker.worker.queueing.mark_queued`), whatever
+    the clocks of the hosts that published them."""
+    seconds, micros = res.redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def _waited_lately(res: Runtime, oldest: int | None) -> int | None:
@@ -384,7 +392,7 @@ def _messages_on_their_way(
     repair too many)."""
     if not account_ids:
         return set(), set()
-    now_ms = int(time.time() * 1000)
+    now_ms = server_now_ms(res)
     answers: list[bytes | None] = []
     for i in range(0, len(account_ids), READ_CHUNK):
         pipe = res.redis.pipeline(transaction=False)

@@ -723,3 +723,38 @@ def test_the_memory_of_waited_messages_keeps_the_oldest_for_the_stale_period(
     unreachable = SimpleNamespace(redis=dead, keys=srt.keys, settings=srt.settings)
     assert _waited_lately(unreachable, 3_000) == 3_000  # type: ignore[arg-type]
     assert _waited_lately(unreachable, None) is None  # type: ignore[arg-type]
+
+
+def test_a_publishers_skewed_clock_neither_hides_a_lost_message_nor_makes_a_backlog(
+    srt: runtime.Runtime,
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer host whose clock runs an hour ahead publishes a batch, and the message is
+    lost (a broker flush): its queued mark was stamped an hour in the future, so the account
+    looked "on its way" for an hour. And a message published by a host an hour behind made
+    the queue's backlog an hour old, holding every account's repair back that long. The
+    stamps and the sweeper's reading of them are now on the Redis server's clock."""
+    from payment_worker.worker import queueing, sweeper
+
+    real = time.time
+
+    def publish_at(offset: float, batch_id: str, account: str) -> None:
+        data = make_batch(batch_id, account=account, n=2, tx=batch_id)
+        with monkeypatch.context() as m:
+            m.setattr(queueing.time, "time", lambda: real() + offset)
+            assert submit_batch(data, runtime=srt).status == "accepted"
+
+    publish_at(3600.0, "b-ahead", "acct-ahead")
+    assert broker_messages(pw_env) == ["b-ahead"]
+    redis.Redis.from_url(pw_env.broker_url).delete("payments")  # lost
+    _age(db_conn)
+    wait_until(
+        lambda: run_sweep(srt)["reenqueued"] == ["b-ahead"], STALE * 4, "the lost one repaired"
+    )
+
+    redis.Redis.from_url(pw_env.broker_url).delete("payments")
+    publish_at(-3600.0, "b-behind", "acct-behind")
+    assert broker_messages(pw_env) == ["b-behind"]  # waits: no worker runs here
+    assert sweeper._backlog_ms(srt) < 10_000

@@ -44,6 +44,7 @@ def test_the_scripts_are_there() -> None:
         "lock_wait",
         "pace_acquire",
         "pace_cooldown",
+        "queued_mark",
         "schedule_claim",
         "schedule_clear",
         "token_claim",
