@@ -82,8 +82,10 @@ def downgrade(
 
 
 def current(url: str | None = None) -> None:
-    """Print the current revision."""
-    command.current(alembic_config(url))
+    """Print the current revision (without waiting behind a running migration)."""
+    cfg = alembic_config(url)
+    cfg.attributes["read_only"] = True
+    command.current(cfg)
 
 
 def _with_retries(

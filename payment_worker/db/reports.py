@@ -41,22 +41,29 @@ _DEAD_LETTER_TOTALS = text(
     " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE resolved_at IS NULL)), 0)"
     " AS oldest_open FROM dead_letters GROUP BY reason"
 )
-STALE_DISPATCH_SECONDS = 60
-"""A ``dispatching`` item older than this is in doubt, not in flight: a request ends within
-the gateway timeouts (seconds), so its sender died with it on the wire (nothing looks it
-up until a holder takes the account: every worker down, the account stuck)."""
+STALE_DISPATCH_SECONDS = 600
+"""A ``dispatching`` item claimed longer ago than this is in doubt, not on its way: a claim
+stamps a whole chunk (``PROCESS_CHUNK_SIZE``, 20) whose requests then leave one after
+another, each within the pacing wait and the gateway timeouts (10 + 2 + 5 s by default,
+340 s for a chunk at worst), so its sender died with it (nothing looks it up until a holder
+takes the account: every worker down, the account stuck). Well under the in-doubt alert's
+15 minutes."""
 
-# in doubt: unknown, or left dispatching (its clock is doubt_since, else its dispatch)
+# in doubt: unknown, or dispatching again after a doubt (a resend after a 404), or left
+# dispatching. Its clock is doubt_since, else its claim; an unknown item without
+# doubt_since (a replayed one never in doubt) is dated by its replay
 _IN_DOUBT = (
-    f"status = 'unknown' OR (status = 'dispatching' AND coalesce(dispatched_at, updated_at)"
-    f" < now() - make_interval(secs => {STALE_DISPATCH_SECONDS}))"
+    "status = 'unknown' OR (status = 'dispatching' AND (doubt_since IS NOT NULL"
+    " OR coalesce(dispatched_at, updated_at)"
+    f" < now() - make_interval(secs => {STALE_DISPATCH_SECONDS})))"
 )
 # open transactions in one pass, spelled like the predicate of the partial indexes on them:
 # in doubt, the oldest pending, the oldest of all, the accounts that have any, and those
 # retried in vain (unsent_since: no request has left)
 _OPEN_WORK = text(
     f"SELECT count(*) FILTER (WHERE {_IN_DOUBT}) AS in_doubt,"
-    " coalesce(extract(epoch FROM now() - min(coalesce(doubt_since, dispatched_at, updated_at))"
+    " coalesce(extract(epoch FROM now() - min(coalesce(doubt_since,"
+    " CASE WHEN status = 'dispatching' THEN dispatched_at END, updated_at))"
     f" FILTER (WHERE {_IN_DOUBT})), 0) AS oldest_in_doubt,"
     " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)"
     " AS oldest_pending,"
@@ -101,8 +108,8 @@ class StateSnapshot:
     transactions: dict[str, int]
     batches: dict[str, int]
     oldest_open_age: float  # the oldest non-terminal transaction, since it was created
-    # transactions that may have been paid, outcome not known: unknown, or left dispatching
-    # for over STALE_DISPATCH_SECONDS
+    # transactions that may have been paid, outcome not known: unknown, or claimed to be
+    # sent over STALE_DISPATCH_SECONDS ago and still dispatching
     in_doubt: int = 0
     oldest_in_doubt_age: float = 0.0  # since its oldest send in doubt (doubt_since)
     oldest_pending_age: float = 0.0  # the oldest transaction never sent, since created

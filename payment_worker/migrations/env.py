@@ -19,32 +19,43 @@ def _url() -> str:
     return config.attributes.get("url") or ServiceUrls.resolve(load_settings()).sqlalchemy
 
 
-def run_migrations_offline() -> None:
-    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True)
-    with context.begin_transaction():
-        context.run_migrations()
-
-
 def _lock_timeout_ms() -> int:
     got = config.attributes.get("lock_timeout_ms")
     return int(got) if got is not None else load_settings().migration_lock_timeout_ms
+
+
+def _guards() -> list[str]:
+    """What a run does first, in its one transaction (alembic's default: a run that gives up
+    leaves nothing half-applied). None for a run that only reads (``db current``)."""
+    if config.attributes.get("read_only"):
+        return []
+    return [
+        # one migrator at a time (two deploy hosts at once): the second waits here, then
+        # reads the version the first committed. No bound on this wait: it queues no drain
+        "SET LOCAL lock_timeout = 0",
+        f"SELECT pg_advisory_xact_lock({ADVISORY_LOCK_KEY})",
+        # a table lock this run waits for queues every statement on that table behind it
+        # (the drains'): bounded, and db/migrate.py tries the run again later
+        f"SET LOCAL lock_timeout = {_lock_timeout_ms()}",
+    ]
+
+
+def run_migrations_offline() -> None:
+    # `alembic upgrade --sql`: the script a person runs carries the same guards
+    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True)
+    with context.begin_transaction():
+        for statement in _guards():
+            context.execute(statement)
+        context.run_migrations()
 
 
 def run_migrations_online() -> None:
     engine = create_engine(_url(), poolclass=pool.NullPool)
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata)
-        # one transaction for the whole run (alembic's default): a run that gives up below
-        # leaves nothing half-applied
         with context.begin_transaction():
-            # one migrator at a time (two deploy hosts at once): the second waits here, then
-            # reads the version the first committed. No bound on this wait: it queues no
-            # drain behind it
-            connection.execute(text("SET LOCAL lock_timeout = 0"))
-            connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY})
-            # a table lock this run waits for queues every statement on that table behind it
-            # (the drains'): bounded, and db/migrate.py tries the run again later
-            connection.execute(text(f"SET LOCAL lock_timeout = {_lock_timeout_ms()}"))
+            for statement in _guards():
+                connection.execute(text(statement))
             context.run_migrations()
     engine.dispose()
 

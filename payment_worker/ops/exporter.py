@@ -102,7 +102,7 @@ def _postgres(engine: Engine) -> Iterator[Metric]:
     yield _gauge(
         "payment_worker_in_doubt_transactions",
         "Transactions whose outcome at the gateway is unknown: status unknown, or left"
-        " dispatching for over a minute (its sender died with the request on the wire).",
+        " dispatching for over 10 minutes (its sender died with the request on the wire).",
         state.in_doubt,
     )
     yield _gauge(

@@ -339,9 +339,10 @@ def _up(url: str) -> bool:
 def test_an_item_left_dispatching_is_in_doubt_one_in_flight_is_not(
     pw_env: PwEnv, db_conn: psycopg.Connection[Any]
 ) -> None:
-    """A ``dispatching`` item whose request left half an hour ago had its sender die with it
-    on the wire: maybe paid, counted and dated as in doubt (the in-doubt alert's gauge once
-    counted ``unknown`` only). One dispatched a moment ago is a request in flight."""
+    """A ``dispatching`` item claimed half an hour ago had its sender die with it on the wire:
+    maybe paid, counted and dated as in doubt (the in-doubt alert's gauge once counted
+    ``unknown`` only), and so is a resend of one in doubt for 40 minutes. One claimed a
+    moment ago, or two minutes ago and never in doubt, is on its way."""
     db_conn.execute(
         "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
         " VALUES ('b1', 'acct-1', 'f1', 'processing', 3)"
@@ -359,9 +360,18 @@ def test_an_item_left_dispatching_is_in_doubt_one_in_flight_is_not(
             " FROM batches WHERE batch_id = 'b1'",
             (tx, f"acct-1:{tx}", dispatched, doubt),
         )
+    # replayed a moment ago, never in doubt: unknown (looked up first), its last claim hours
+    # old; dated by its replay, not by that claim
+    db_conn.execute(
+        "INSERT INTO transactions (batch_pk, account_id, transaction_id, amount, currency,"
+        " beneficiary, idempotency_key, status, created_at, dispatched_at)"
+        " SELECT id, 'acct-1', 'replayed', 100, 'EUR', '{}'::jsonb, 'acct-1:replayed',"
+        " 'unknown', now() - interval '5 hours', now() - interval '3 hours'"
+        " FROM batches WHERE batch_id = 'b1'"
+    )
     with runtime.current().engine.connect() as conn:
         state = reports.state_snapshot(conn, statement_timeout_ms=5_000)
-    assert state.in_doubt == 2
+    assert state.in_doubt == 3
     assert 2400 <= state.oldest_in_doubt_age < 2500
     db_conn.execute("UPDATE transactions SET doubt_since = NULL")
     with runtime.current().engine.connect() as conn:

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from payment_worker.db import migrate
-from tests.conftest import PwEnv
+from tests.conftest import PwEnv, wait_until
 
 
 def _tables(conn: psycopg.Connection) -> set[str]:  # type: ignore[type-arg]
@@ -169,19 +169,32 @@ def test_two_upgrades_at_once_take_turns(pw_env: PwEnv, db_conn: psycopg.Connect
     """Two deploy hosts run ``db upgrade`` on an empty database at the same moment: both end
     well and the schema is at head once (without the advisory lock, the second's CREATE
     TABLE met the first's and failed on a duplicate). Processes, as on two hosts: alembic's
-    ``context`` is one per process."""
+    ``context`` is one per process. The test holds the migrators' lock until both wait for
+    it, so that they start together, not by luck."""
     url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
     migrate.downgrade(url, "base")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "payment_worker.cli", "db", "upgrade"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
+    with psycopg.connect(pw_env.database_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (migrate.ADVISORY_LOCK_KEY,))
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "payment_worker.cli", "db", "upgrade"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+
+        def waiting() -> int:
+            row = holder.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            ).fetchone()
+            return int(row[0]) if row else 0
+
+        wait_until(lambda: waiting() == 2, 60, "both migrators waiting for the lock")
+        holder.execute("SELECT pg_advisory_unlock(%s)", (migrate.ADVISORY_LOCK_KEY,))
+        outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert _tables(db_conn) >= EXPECTED
     heads = db_conn.execute("SELECT version_num FROM alembic_version").fetchall()
