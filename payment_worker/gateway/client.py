@@ -46,6 +46,8 @@ from payment_worker.gateway.tokens import SentRequest, TokenManager
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     GATEWAY_ENDPOINTS,
+    GATEWAY_NOT_SENT,
+    GATEWAY_NOT_SENT_REASONS,
     GATEWAY_RATE_LIMITED,
     GATEWAY_REQUEST_SECONDS,
     GATEWAY_REQUESTS,
@@ -93,6 +95,11 @@ class GatewayClient:
         self._seconds = {e: GATEWAY_REQUEST_SECONDS.labels(e) for e in GATEWAY_ENDPOINTS}
         self._counted = {
             (e, o): GATEWAY_REQUESTS.labels(e, o.value) for e in GATEWAY_ENDPOINTS for o in Outcome
+        }
+        self._held_back = {
+            (e, r): GATEWAY_NOT_SENT.labels(e, r)
+            for e in GATEWAY_ENDPOINTS
+            for r in GATEWAY_NOT_SENT_REASONS
         }
         self.tokens = TokenManager(
             redis,
@@ -372,7 +379,11 @@ class GatewayClient:
             log.warning("pacing_cooldown_not_recorded", account_id=account_id, error=str(exc))
 
     def _done(self, endpoint: str, account_id: str, result: GatewayResult) -> GatewayResult:
-        self._counted[endpoint, result.outcome].inc()
+        held = None if result.sent else held_back(result.reason)
+        if held is None:
+            self._counted[endpoint, result.outcome].inc()
+        else:
+            self._held_back[endpoint, held].inc()
         if result.outcome in (Outcome.UNKNOWN, Outcome.PERMANENT) or (
             result.outcome is Outcome.RETRY and result.http_status != 409
         ):
@@ -462,3 +473,14 @@ def _secret(settings: Settings) -> str:
     """GATEWAY_CLIENT_SECRET (the settings fill in the simulator's for a loopback gateway)."""
     secret = settings.gateway_client_secret
     return secret.get_secret_value() if secret is not None else ""
+
+
+def held_back(reason: str | None) -> str | None:
+    """What a result the client did not send waited for (a label of
+    ``payment_worker_gateway_not_sent_total``), or None for one the gateway caused: a refused
+    connection is counted with the gateway's answers."""
+    if reason in ("paced", "redis_error"):
+        return reason
+    if reason is not None and reason.startswith("token_"):
+        return "token"  # paused, timed out waiting, refused or unreachable: no token
+    return None

@@ -60,6 +60,16 @@ GATEWAY_REQUESTS = Counter(
     "Gateway requests by endpoint and classified outcome.",
     ["endpoint", "outcome"],
 )
+# what a payment or lookup request the client itself held back waited for: the account's
+# pacing slot or cooldown, Redis (the shared token or the pacing bucket), a token. Not a
+# gateway answer, so not in GATEWAY_REQUESTS (its error ratio would page for a healthy
+# gateway); a refused connection is the gateway's and stays there
+GATEWAY_NOT_SENT_REASONS = ("paced", "redis_error", "token")
+GATEWAY_NOT_SENT = Counter(
+    "payment_worker_gateway_not_sent_total",
+    "Payment and lookup requests the client held back, by endpoint and what they waited for.",
+    ["endpoint", "reason"],
+)
 GATEWAY_REQUEST_SECONDS = Histogram(
     "payment_worker_gateway_request_seconds",
     "Gateway request latency.",
@@ -205,6 +215,7 @@ _PRESETS: tuple[tuple[MetricWrapperBase, tuple[tuple[str, ...], ...]], ...] = (
     (LOCK_RENEWALS, (("ok",), ("lost",), ("error",))),
     (LOCK_LOST, tuple((r,) for r in LOCK_LOST_REASONS)),
     (GATEWAY_REQUESTS, tuple((e, o.value) for e in GATEWAY_ENDPOINTS for o in Outcome)),
+    (GATEWAY_NOT_SENT, tuple((e, r) for e in GATEWAY_ENDPOINTS for r in GATEWAY_NOT_SENT_REASONS)),
     (GATEWAY_REQUEST_SECONDS, tuple((e,) for e in GATEWAY_ENDPOINTS)),
     (GATEWAY_TOKEN_REFRESHES, (("ok",), ("transport_error",))),
     (GATEWAY_RATE_LIMITED, tuple((e,) for e in GATEWAY_ENDPOINTS)),

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from payment_worker.domain.payment_request import PaymentRequest
@@ -292,6 +293,8 @@ def test_pacing_wait_longer_than_allowed_returns_retry_without_sending(
 ) -> None:
     c = gateway_client(make_settings(gateway_pacing_max_wait=0.5))
     c.pacer.cooldown(ACCT, 5.0)
+    answers = _sample("payment_worker_gateway_requests_total", endpoint="create", outcome="retry")
+    held = _sample("payment_worker_gateway_not_sent_total", endpoint="create", reason="paced")
     start = time.monotonic()
     r = create(c, tx())
     c.close()
@@ -299,6 +302,18 @@ def test_pacing_wait_longer_than_allowed_returns_retry_without_sending(
     assert (r.outcome, r.reason) == (Outcome.RETRY, "paced")
     assert r.retry_after is not None and 4.0 < r.retry_after <= 5.0
     assert gateway_sim.ledger()["requests"].get("create", 0) == 0
+    # counted as held back, not as a gateway answer (whose error ratio pages on-call)
+    assert _sample("payment_worker_gateway_not_sent_total", endpoint="create", reason="paced") == (
+        held + 1
+    )
+    assert (
+        _sample("payment_worker_gateway_requests_total", endpoint="create", outcome="retry")
+        == answers
+    )
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def test_programming_errors_raise(client: GatewayClient) -> None:
