@@ -108,8 +108,8 @@ class StateSnapshot:
     transactions: dict[str, int]
     batches: dict[str, int]
     oldest_open_age: float  # the oldest non-terminal transaction, since it was created
-    # transactions that may have been paid, outcome not known: unknown, or claimed to be
-    # sent over STALE_DISPATCH_SECONDS ago and still dispatching
+    # transactions that may have been paid, outcome not known: unknown, dispatching again
+    # after a doubt, or claimed over STALE_DISPATCH_SECONDS ago and still dispatching
     in_doubt: int = 0
     oldest_in_doubt_age: float = 0.0  # since its oldest send in doubt (doubt_since)
     oldest_pending_age: float = 0.0  # the oldest transaction never sent, since created

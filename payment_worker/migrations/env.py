@@ -26,7 +26,7 @@ def _lock_timeout_ms() -> int:
 
 def _guards() -> list[str]:
     """What a run does first, in its one transaction (alembic's default: a run that gives up
-    leaves nothing half-applied). None for a run that only reads (``db current``)."""
+    leaves nothing half-applied); nothing for a run that only reads (``db current``)."""
     if config.attributes.get("read_only"):
         return []
     return [

@@ -101,8 +101,8 @@ def _postgres(engine: Engine) -> Iterator[Metric]:
     )
     yield _gauge(
         "payment_worker_in_doubt_transactions",
-        "Transactions whose outcome at the gateway is unknown: status unknown, or left"
-        " dispatching for over 10 minutes (its sender died with the request on the wire).",
+        "Transactions whose outcome at the gateway is unknown: status unknown, dispatching"
+        " again after a doubt, or left dispatching for over 10 minutes (its sender died).",
         state.in_doubt,
     )
     yield _gauge(
