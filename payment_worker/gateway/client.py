@@ -42,7 +42,12 @@ from payment_worker.gateway.outcomes import (
     not_sent,
 )
 from payment_worker.gateway.pacing import Pacer
-from payment_worker.gateway.tokens import SentRequest, TokenManager
+from payment_worker.gateway.tokens import (
+    TOKEN_PAUSED,
+    TOKEN_WAIT_TIMEOUT,
+    SentRequest,
+    TokenManager,
+)
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import (
     GATEWAY_ENDPOINTS,
@@ -477,10 +482,11 @@ def _secret(settings: Settings) -> str:
 
 def held_back(reason: str | None) -> str | None:
     """What a result the client did not send waited for (a label of
-    ``payment_worker_gateway_not_sent_total``), or None for one the gateway caused: a refused
-    connection is counted with the gateway's answers."""
+    ``payment_worker_gateway_not_sent_total``), or None for one the gateway caused and which
+    is counted with its answers: a refused connection, and a token request the token
+    endpoint refused or did not answer (a gateway outage must show in its error ratio)."""
     if reason in ("paced", "redis_error"):
         return reason
-    if reason is not None and reason.startswith("token_"):
-        return "token"  # paused, timed out waiting, refused or unreachable: no token
+    if reason in (TOKEN_PAUSED, TOKEN_WAIT_TIMEOUT):
+        return "token"  # held back by this client: paused after failures, or waited too long
     return None

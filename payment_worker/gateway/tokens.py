@@ -64,6 +64,7 @@ _PAUSE_FIRST = 1.0
 _PAUSE_MAX = 30.0
 #: the reason of a result returned during such a pause (its error names the failure)
 TOKEN_PAUSED = "token_paused"
+TOKEN_WAIT_TIMEOUT = "token_wait_timeout"
 
 # read the token and take the refresh lock in one step; store a token (and release the lock)
 # only while holding it; release the lock when nothing was stored. All owner-checked.
@@ -341,7 +342,7 @@ class TokenManager:
             if cur is not None and cur.token != rejected:
                 return cur.token  # due, but someone else is refreshing: it is still valid
             if time.monotonic() >= deadline:
-                return not_sent("token_wait_timeout", "timed out waiting for a token refresh")
+                return not_sent(TOKEN_WAIT_TIMEOUT, "timed out waiting for a token refresh")
             time.sleep(self._poll)
 
     # --- pauses after a failed token request ---------------------------------------------

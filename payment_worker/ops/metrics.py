@@ -61,9 +61,10 @@ GATEWAY_REQUESTS = Counter(
     ["endpoint", "outcome"],
 )
 # what a payment or lookup request the client itself held back waited for: the account's
-# pacing slot or cooldown, Redis (the shared token or the pacing bucket), a token. Not a
-# gateway answer, so not in GATEWAY_REQUESTS (its error ratio would page for a healthy
-# gateway); a refused connection is the gateway's and stays there
+# pacing slot or cooldown, Redis (the shared token or the pacing bucket), a token (requests
+# paused after failures, or another process's refresh waited for too long). Not a gateway
+# answer, so not in GATEWAY_REQUESTS (its error ratio would page for a healthy gateway); a
+# refused connection, or a token request refused or unanswered, is the gateway's and stays
 GATEWAY_NOT_SENT_REASONS = ("paced", "redis_error", "token")
 GATEWAY_NOT_SENT = Counter(
     "payment_worker_gateway_not_sent_total",

@@ -67,8 +67,8 @@ def test_promtool_unit_tests_catch_a_broken_rule(tmp_path: Path) -> None:
     # the tests are not vacuous: a rule with a wrong threshold makes them fail
     tool = promtool()
     broken = ALERTS.read_text().replace(
-        "max(max_over_time(payment_worker_oldest_in_doubt_age_seconds[3m])) > 600",
-        "max(max_over_time(payment_worker_oldest_in_doubt_age_seconds[3m])) > 90000",
+        "max(last_over_time(payment_worker_oldest_in_doubt_age_seconds[3m])) > 600",
+        "max(last_over_time(payment_worker_oldest_in_doubt_age_seconds[3m])) > 90000",
     )
     assert broken != ALERTS.read_text()
     (tmp_path / "alerts.yml").write_text(broken)

@@ -254,3 +254,28 @@ def test_error_class_of_a_result_without_http() -> None:
     r = GatewayResult(Outcome.RETRY, None, reason="paced")
     assert r.error_class == "paced"
     assert GatewayResult(Outcome.UNKNOWN, None).error_class == "transport_error"
+
+
+@pytest.mark.parametrize(
+    ("reason", "label"),
+    [
+        ("paced", "paced"),
+        ("redis_error", "redis_error"),
+        ("token_paused", "token"),
+        ("token_wait_timeout", "token"),
+        # the gateway's own failures stay in its error ratio: a token endpoint that refuses or
+        # does not answer is an outage on-call must see
+        ("token_connect_error", None),
+        ("token_timeout", None),
+        ("token_invalid_client", None),
+        ("token_error", None),
+        ("connect_error", None),
+        (None, None),
+    ],
+)
+def test_what_the_client_held_back_is_told_from_the_gateways_failures(
+    reason: str | None, label: str | None
+) -> None:
+    from payment_worker.gateway.client import held_back
+
+    assert held_back(reason) == label
