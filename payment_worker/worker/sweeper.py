@@ -334,19 +334,20 @@ def _backlog_ms(res: Runtime) -> int:
     except Exception as exc:  # the broker's own trouble: judge without the backlog
         log.warning("sweep_broker_unreadable", error=repr(exc))
         return 0
-    oldest = _waited_lately(res, oldest)
-    return max(0, server_now_ms(res) - oldest) if oldest is not None else 0
+    oldest, now_ms = _waited_lately(res, oldest)
+    return max(0, now_ms - oldest) if oldest is not None else 0
 
 
-def server_now_ms(res: Runtime) -> int:
-    """The Redis server's clock, ms: the one the queued marks and the messages' enqueued-at
-    headers are stamped with (:func:`~payment_worker.worker.queueing.mark_queued`), whatever
-    the clocks of the hosts that published them."""
-    seconds, micros = res.redis.time()
+def server_ms(time_reply: tuple[int, int]) -> int:
+    """The Redis server's clock in ms, from a ``TIME`` reply: the clock the queued marks and
+    the messages' enqueued-at headers are stamped with
+    (:func:`~payment_worker.worker.queueing.mark_queued`), whatever the clocks of the hosts
+    that published them. Read in a pipeline the pass sends anyway."""
+    seconds, micros = time_reply
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-def _waited_lately(res: Runtime, oldest: int | None) -> int | None:
+def _waited_lately(res: Runtime, oldest: int | None) -> tuple[int | None, int]:
     """The publish time of the oldest message waiting now or at the last pass that found
     one, if that pass was less than ``SWEEPER_STALE_AFTER`` ago (the ``sweeper:waited`` key,
     set here while one waits: the last such pass's, not the oldest over the period, which a
@@ -358,20 +359,25 @@ def _waited_lately(res: Runtime, oldest: int | None) -> int | None:
     looked free, stale and unqueued the moment the queue emptied, and got a repair message
     each (26 to 57 wasted executions in a run of throughput scenario 4). A message the last
     such pass saw waiting now counts as on its way for the stale period after it; a message
-    lost since (a broker flush) is repaired that much later, at most."""
+    lost since (a broker flush) is repaired that much later, at most.
+
+    With it, the Redis server's time now (ms), read in the same round trip."""
     key = res.keys.sweeper_waited()
     try:
         pipe = res.redis.pipeline(transaction=False)
         pipe.get(key)
         if oldest is not None:
             pipe.set(key, oldest, px=max(1, int(res.settings.sweeper_stale_after * 1000)))
-        seen = pipe.execute()[0]
+        pipe.time()
+        answers = pipe.execute()
     except RedisError as exc:  # judge by the queue alone
         log.warning("sweep_waited_unreadable", error=repr(exc))
-        return oldest
+        # this host's clock: the server's is out of reach too (the pass's next read will say)
+        return oldest, int(time.time() * 1000)
+    seen, now_ms = answers[0], server_ms(answers[-1])
     if seen is None or not seen.isdigit():
-        return oldest
-    return int(seen) if oldest is None else min(int(seen), oldest)
+        return oldest, now_ms
+    return (int(seen) if oldest is None else min(int(seen), oldest)), now_ms
 
 
 def _messages_on_their_way(
@@ -392,14 +398,19 @@ def _messages_on_their_way(
     repair too many)."""
     if not account_ids:
         return set(), set()
-    now_ms = server_now_ms(res)
     answers: list[bytes | None] = []
+    now_ms = 0
     for i in range(0, len(account_ids), READ_CHUNK):
         pipe = res.redis.pipeline(transaction=False)
         for acct in account_ids[i : i + READ_CHUNK]:
             pipe.get(res.keys.queued(acct))
             pipe.get(res.keys.lock(acct))
-        answers += pipe.execute()
+        if i == 0:
+            pipe.time()  # the marks' clock, in the first chunk's round trip
+        got = pipe.execute()
+        if i == 0:
+            now_ms = server_ms(got.pop())
+        answers += got
     on_its_way, taken = set(), set()
     for acct, mark, lock in zip(account_ids, answers[::2], answers[1::2], strict=True):
         if mark is not None and mark.isdigit() and now_ms - int(mark) < horizon_ms:

@@ -711,18 +711,21 @@ def test_the_memory_of_waited_messages_keeps_the_oldest_for_the_stale_period(
 
     key = srt.keys.sweeper_waited()
     srt.redis.delete(key)
-    assert _waited_lately(srt, None) is None  # nothing waits, nothing was seen
-    assert _waited_lately(srt, 5_000) == 5_000  # kept, for the stale period only
+    assert _waited_lately(srt, None)[0] is None  # nothing waits, nothing was seen
+    assert _waited_lately(srt, 5_000)[0] == 5_000  # kept, for the stale period only
     assert 0 < srt.redis.pttl(key) <= STALE * 1000
-    assert _waited_lately(srt, 9_000) == 5_000  # the queue moved on: the older one counts
-    assert _waited_lately(srt, None) == 9_000  # the queue is empty: what the last pass saw
+    assert _waited_lately(srt, 9_000)[0] == 5_000  # the queue moved on: the older one counts
+    assert _waited_lately(srt, None)[0] == 9_000  # the queue is empty: what the last pass saw
+    # the server's time comes with it, from the same round trip
+    seconds, micros = srt.redis.time()
+    assert abs(_waited_lately(srt, None)[1] - (seconds * 1000 + micros // 1000)) < 1_000
     srt.redis.set(key, "not-a-time")
-    assert _waited_lately(srt, 7_000) == 7_000
+    assert _waited_lately(srt, 7_000)[0] == 7_000
     # a Redis that cannot be reached (nothing listens on port 1)
     dead = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
     unreachable = SimpleNamespace(redis=dead, keys=srt.keys, settings=srt.settings)
-    assert _waited_lately(unreachable, 3_000) == 3_000  # type: ignore[arg-type]
-    assert _waited_lately(unreachable, None) is None  # type: ignore[arg-type]
+    assert _waited_lately(unreachable, 3_000)[0] == 3_000  # type: ignore[arg-type]
+    assert _waited_lately(unreachable, None)[0] is None  # type: ignore[arg-type]
 
 
 def test_a_publishers_skewed_clock_neither_hides_a_lost_message_nor_makes_a_backlog(
