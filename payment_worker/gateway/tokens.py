@@ -135,6 +135,9 @@ class _Pause:
     # the token in Redis that ended the pause early (below): if the gateway refuses it, it
     # is the one the failed request may have revoked, and the pause comes back
     ended_by: str | None = None
+    # a token the gateway refused after it ended the last pause: read again from Redis, it
+    # does not end this one (each item would send it and meet a 401)
+    refused: str | None = None
 
 
 @dataclass(slots=True)
@@ -243,7 +246,7 @@ class TokenManager:
     def started(self, account_id: str, owner: str, reply: Sequence[Any]) -> None:
         """The start script's token answer (``token_claim.lua``'s): a token to use is kept
         as :meth:`get` keeps one; a refresh lock taken is kept for the next :meth:`get`."""
-        verdict, token, pttl, lead = reply
+        verdict, token, pttl, lead, _cooling = reply
         if _s(verdict) == "refresh":
             self._started[account_id] = _Started(owner)
         elif _s(verdict) == "use" and token:
@@ -287,15 +290,22 @@ class TokenManager:
             hit = self._local.get(account_id)
             if hit is not None and time.monotonic() < hit[1]:
                 return hit[0]
+        else:
+            # at once: a pause that comes back below must not leave the refused token here
+            # for the next item to send
+            self._local.pop(account_id, None)
         paused = self._paused_result(account_id)
         if paused is not None:
             # no request now; another process may have stored a token meanwhile
             cur = None if rejected is not None else self.cached(account_id)
-            if cur is None:
+            pause = self._paused.get(account_id)  # (another thread may have ended it)
+            if cur is None or (pause is not None and cur.token == pause.refused):
+                # none, or the very token the gateway refused during this pause: one 401 per
+                # item would follow
+                self._local.pop(account_id, None)
                 return paused
             # used, and the pause is over (its failure count kept until a token is had),
             # unless the gateway refuses this very token
-            pause = self._paused.get(account_id)  # (another thread may have ended it)
             if pause is not None:
                 self._paused[account_id] = replace(
                     pause, until=time.monotonic(), ended_by=cur.token
@@ -316,7 +326,7 @@ class TokenManager:
                 if cur is not None and cur.token != rejected:
                     return cur.token
                 log.info("token_refused_after_pause", account_id=account_id)
-                self._pause(account_id, not_sent(TOKEN_PAUSED, pause.error))
+                self._pause(account_id, not_sent(TOKEN_PAUSED, pause.error), refused=rejected)
                 refused = self._paused_result(account_id)
                 if refused is not None:  # (None: another thread had a token meanwhile)
                     return refused
@@ -326,21 +336,29 @@ class TokenManager:
                 # the lock holder's start took the refresh lock: no second read, and
                 # perhaps its request already sent
                 return self._refresh_owned(account_id, started.owner, started.sent)
-        else:
-            self._local.pop(account_id, None)
         deadline = time.monotonic() + self._lock_ttl_ms / 1000.0 + 2.0
         while True:
             # one round trip: the token if it is good, else the refresh lock if free (the
             # read and the lock are one step, so no re-read is needed under the lock)
             owner = secrets.token_hex(12)
-            verdict, cur = self._claim_token(account_id, owner, rejected)
+            verdict, cur, cooling_ms = self._claim_token(account_id, owner, rejected)
             if verdict == "use" and cur is not None:
                 self._remember(account_id, cur.token, cur.remaining_ms - cur.lead_ms)
                 return cur.token
             if verdict == "refresh":
                 return self._refresh_owned(account_id, owner)
             if cur is not None and cur.token != rejected:
-                return cur.token  # due, but someone else is refreshing: it is still valid
+                # due, but someone else is refreshing (or the account cools down): it is
+                # still valid
+                return cur.token
+            if verdict == "cooling":
+                # a 429 closed the account for every process: its token request waits too
+                return not_sent(
+                    "paced",
+                    f"account cooling down for {cooling_ms / 1000:.3f}s more (no token "
+                    "request before then)",
+                    retry_after=cooling_ms / 1000,
+                )
             if time.monotonic() >= deadline:
                 return not_sent(TOKEN_WAIT_TIMEOUT, "timed out waiting for a token refresh")
             time.sleep(self._poll)
@@ -353,6 +371,10 @@ class TokenManager:
             return None
         left = pause.until - time.monotonic()
         if left <= 0:
+            if -left > _PAUSE_MAX:
+                # long over: a later failure starts the backoff afresh (below), so the
+                # entry goes (one per account ever paused would stay otherwise)
+                self._paused.pop(account_id, None)
             return None  # over; the failure count stays until a token is had
         return not_sent(
             TOKEN_PAUSED,
@@ -360,16 +382,24 @@ class TokenManager:
             retry_after=left,
         )
 
-    def _pause(self, account_id: str, failed: GatewayResult) -> None:
-        """A token request got no token: pause the account's next ones (see _PAUSE_FIRST)."""
+    def _pause(self, account_id: str, failed: GatewayResult, refused: str | None = None) -> None:
+        """A token request got no token: pause the account's next ones (see _PAUSE_FIRST).
+        ``refused``: the token that ended the last pause early and was refused since: read
+        again, it does not end this one."""
+        now = time.monotonic()
         before = self._paused.get(account_id)
-        failures = 1 if before is None else before.failures + 1
+        # "in a row": a failure long after the last pause ended starts again from 1 s
+        in_row = before is not None and now - before.until <= _PAUSE_MAX
+        failures = before.failures + 1 if before is not None and in_row else 1
         seconds = min(_PAUSE_FIRST * 2 ** min(failures - 1, 16), _PAUSE_MAX)
         # a Retry-After is the gateway's own word: not cut to the backoff's cap (a token
         # request asked again before it only meets another 429)
         seconds = max(seconds, min(failed.retry_after or 0.0, self._retry_after_max))
         error = failed.error or failed.error_class
-        self._paused[account_id] = _Pause(time.monotonic() + seconds, failures, error)
+        self._paused[account_id] = _Pause(now + seconds, failures, error, refused=refused)
+        if refused is not None:
+            # (the read that found it refused kept a copy of it)
+            self._local.pop(account_id, None)
         log.info("token_requests_paused", account_id=account_id, seconds=seconds, failures=failures)
 
     # --- internals ----------------------------------------------------------------------
@@ -391,14 +421,19 @@ class TokenManager:
 
     def _claim_token(
         self, account_id: str, owner: str, rejected: str | None
-    ) -> tuple[str, CachedToken | None]:
-        """``lua/token_claim.lua``: ("use" | "refresh" | "wait", the valid token or None)."""
-        verdict, token, pttl, lead = self._claim(
-            keys=[self.token_key(account_id), self.lock_key(account_id)],
+    ) -> tuple[str, CachedToken | None, int]:
+        """``lua/token_claim.lua``: ("use" | "refresh" | "wait" | "cooling", the valid token
+        or None, the cooldown's ms left)."""
+        verdict, token, pttl, lead, cooling = self._claim(
+            keys=[
+                self.token_key(account_id),
+                self.lock_key(account_id),
+                self._keys.pace(account_id),
+            ],
             args=[owner, self._lock_ttl_ms, rejected or ""],
         )
         found = CachedToken(_s(token), int(pttl), int(lead)) if token else None
-        return _s(verdict), found
+        return _s(verdict), found, int(cooling)
 
     def _refresh(
         self, account_id: str, owner: str, sent: SentRequest | None = None

@@ -8,7 +8,8 @@
 -- KEYS[2]  the "work waiting" mark ({prefix}:waiting:{acct})
 -- KEYS[3]  the token hash ({prefix}:token:{acct})
 -- KEYS[4]  the token's refresh lock ({prefix}:token-lock:{acct})
--- KEYS[5]  the pacing state ({prefix}:pace:{acct})
+-- KEYS[5]  the pacing state ({prefix}:pace:{acct}; a cooldown there also holds back the
+--          token read's refresh, as token_claim.lua's)
 -- KEYS[6..] further marks deleted when the lock is taken (the sweeper's, the queued one)
 -- ARGV[1]  the taker's token (the lock's value)
 -- ARGV[2]  the lock TTL in ms
@@ -32,7 +33,7 @@ if lock_take(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[3], ARGV[4], {unpack(KEYS,
 end
 local token = {}
 if ARGV[5] ~= '' then
-  token = token_claim(KEYS[3], KEYS[4], ARGV[5], tonumber(ARGV[6]), '')
+  token = token_claim(KEYS[3], KEYS[4], ARGV[5], tonumber(ARGV[6]), '', KEYS[5])
 end
 local pace = {}
 if ARGV[7] ~= '' then

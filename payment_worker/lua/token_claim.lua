@@ -3,15 +3,21 @@
 --
 -- KEYS[1]  the token hash ({prefix}:token:{acct}; token, lead_ms; its TTL is the token's)
 -- KEYS[2]  the refresh lock ({prefix}:token-lock:{acct})
+-- KEYS[3]  the account's pacing state ({prefix}:pace:{acct}; its `until` is a 429's cooldown)
 -- ARGV[1]  an owner value for the refresh lock
 -- ARGV[2]  the refresh lock's TTL in ms
 -- ARGV[3]  a token the gateway just answered 401 to, or '' (none)
 --
--- Returns {verdict, token, pttl, lead_ms}; token is '' when there is none (or it expired):
+-- Returns {verdict, token, pttl, lead_ms, cooling_ms}; token is '' when there is none (or
+-- it expired):
 --   'use'      the token is valid, not yet due for refresh, and not the rejected one;
 --   'refresh'  the lock is now ours (owner ARGV[1]): fetch a new token; the read and the
 --              lock are one step, so no other refresher stored a token in between;
 --   'wait'     another process holds the lock: the token, if any, is still valid (it may
---              be due, or the rejected one: the caller decides).
+--              be due, or the rejected one: the caller decides);
+--   'cooling'  a new token is needed but a 429's cooldown closes the account for
+--              cooling_ms more: no lock taken, no token request before then (the token,
+--              if any, is as for 'wait').
+-- #include now_ms
 -- #include token_claim
-return token_claim(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), ARGV[3])
+return token_claim(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), ARGV[3], KEYS[3])

@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from payment_worker.domain.payment_request import PaymentRequest
-from payment_worker.gateway import GatewayClient, GatewayResult, Outcome
+from payment_worker.gateway import GatewayClient, GatewayResult, Outcome, tokens
+from payment_worker.gateway.pacing import Pacer
 from payment_worker.gateway.tokens import TOKEN_PAUSED, TokenManager
 from payment_worker.settings import Settings
 from tests.conftest import PwEnv
@@ -356,6 +357,13 @@ def test_a_stored_token_refused_after_it_ended_a_pause_brings_the_pause_back(
     assert isinstance(again, GatewayResult) and again.reason == TOKEN_PAUSED
     assert again.retry_after is not None and 1.5 < again.retry_after <= 2.0
     assert len(gateway_sim.statuses(ACCT, "token")) == asked  # no token request
+    # nor does the next item send the refused token again: the process's copy went with
+    # the 401, and the same token read from Redis does not end this pause (before, each
+    # item sent it and met a 401 until the endpoint came back: a review found it)
+    for _ in range(3):
+        item = mgr.get(ACCT)
+        assert isinstance(item, GatewayResult) and item.reason == TOKEN_PAUSED
+    assert len(gateway_sim.statuses(ACCT, "token")) == asked
     # once the pause is over, a refresh goes out and ends it for good
     time.sleep(again.retry_after + 0.02)
     fresh = mgr.get(ACCT, rejected=first)
@@ -370,3 +378,65 @@ def test_a_token_stored_by_another_process_after_the_pause_is_used_not_paused_fo
     other = _manager(redis_client, gateway_sim.url, lock_ttl=5.0).get(ACCT, rejected=first)
     assert isinstance(other, str) and other != first  # another process refreshed
     assert mgr.get(ACCT, rejected=first) == other  # used at once, no pause
+
+
+def test_a_429s_cooldown_holds_back_every_processs_token_request(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    """The protocol: after a 429, wait at least Retry-After. The cooldown a 429 records is
+    the account's, in Redis; before, only the process that met a token 429 paused its token
+    requests, and each other process asked again and met another 429 (a review found it)."""
+    Pacer(redis_client).cooldown(ACCT, 2.0)  # as the client records a token 429's
+    other = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    held = other.get(ACCT)
+    assert isinstance(held, GatewayResult) and held.reason == "paced" and not held.sent
+    assert held.retry_after is not None and 1.5 < held.retry_after <= 2.0
+    assert redis_client.get(other.lock_key(ACCT)) is None  # no refresh lock taken either
+    assert gateway_sim.statuses(ACCT, "token") == []
+    time.sleep(held.retry_after + 0.02)
+    token = other.get(ACCT)
+    assert isinstance(token, str)
+    assert gateway_sim.statuses(ACCT, "token") == [200]
+
+
+def test_a_valid_token_is_still_used_while_the_account_cools_down(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    """A cooldown holds back token requests only: a token still valid (if due) is used, and
+    the pacer answers for the request itself."""
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    first = mgr.get(ACCT)
+    assert isinstance(first, str)
+    redis_client.hset(mgr.token_key(ACCT), "lead_ms", 10**9)  # due now, still valid
+    Pacer(redis_client).cooldown(ACCT, 2.0)
+    assert _manager(redis_client, gateway_sim.url, lock_ttl=5.0).get(ACCT) == first
+    assert gateway_sim.statuses(ACCT, "token") == [200]
+
+
+def test_the_pause_backoff_starts_afresh_after_a_quiet_spell(
+    redis_client: redis.Redis, gateway_sim: SimHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pause doubles for failures in a row only: one long after the last pause ended
+    starts from the first step again (before, unrelated blips hours apart added up to 30 s
+    pauses: a review found it)."""
+    monkeypatch.setattr(tokens, "_PAUSE_FIRST", 0.2)
+    monkeypatch.setattr(tokens, "_PAUSE_MAX", 0.5)
+    gateway_sim.script(ACCT, *[{"fault": "503", "endpoint": "token"}] * 3)
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+
+    def pause_after_a_failure() -> float:
+        failed = mgr.get(ACCT)
+        assert isinstance(failed, GatewayResult) and failed.http_status == 503
+        paused = mgr.get(ACCT)
+        assert isinstance(paused, GatewayResult) and paused.reason == TOKEN_PAUSED
+        assert paused.retry_after is not None
+        return paused.retry_after
+
+    first = pause_after_a_failure()
+    assert 0.1 < first <= 0.2
+    time.sleep(first + 0.02)
+    second = pause_after_a_failure()  # in a row: doubled
+    assert 0.3 < second <= 0.4
+    time.sleep(second + 0.5 + 0.1)  # ended longer ago than the backoff's cap
+    third = pause_after_a_failure()
+    assert 0.1 < third <= 0.2
