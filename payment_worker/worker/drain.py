@@ -209,8 +209,10 @@ class Drainer:
             carried: int | None = None
             try:
                 while True:
-                    lock.ensure_held()
                     if items is None:
+                        # (a chunk the boundary claimed is checked by its first item's guard,
+                        # which gives the chunk back untouched if the lock went meanwhile)
+                        lock.ensure_held()
                         if self._stopping():
                             report.handed_off = report.shutdown = True
                             return

@@ -165,3 +165,29 @@ def test_due_rows_the_claim_skips_are_waited_for_not_claimed_in_a_busy_loop(
     w.run()
     assert w.store.statuses() == {TxStatus.SUCCEEDED: 1, TxStatus.PENDING: 1}
     assert w.store.claims <= 2.0 / 0.1 + 1
+
+
+def test_a_lock_lost_while_the_boundary_claimed_gives_the_new_chunk_back_untouched(
+    w: World,
+) -> None:
+    """The lock goes while the boundary's statement runs (it waited on a row lock, the stall
+    bound passed), and the statement still claims the next chunk. Its items were never
+    tried: they are given back untouched and due, their claimed attempts with them. Before,
+    the loop's own lock check raised first and left them ``dispatching``: the next holder
+    looked each up and spent an attempt on it (a review found it)."""
+    rows = w.store.add(ACCT, 1, 7)
+    claim_at_boundary = w.store.record_and_claim
+
+    def lost_during(*args: object, **kw: object) -> object:
+        claimed = claim_at_boundary(*args, **kw)  # type: ignore[arg-type]
+        w.locks[-1].lost = True
+        return claimed
+
+    w.store.record_and_claim = lost_during  # type: ignore[method-assign]
+    report = w.run()
+    assert report.result == "lock_lost"  # type: ignore[attr-defined]
+    assert w.store.boundaries == 1
+    assert w.store.statuses() == {TxStatus.SUCCEEDED: 5, TxStatus.RETRYABLE: 2}
+    for row in rows[5:]:
+        assert (row.attempts, row.due_at) == (0, w.clock())
+        assert w.gateway.sends(row.key) == 0
