@@ -65,6 +65,9 @@ log = get_logger("liveness")
 
 # KEYS = [lock]; ARGV = [value judged dead, new value or '', ttl ms]
 TAKEOVER_LUA = lua.load("lock_takeover")
+# the registry on the Redis server's clock, written by each beat and pruned by the sweeper
+_REGISTER_LUA = lua.load("holder_register")
+_PRUNE_LUA = lua.load("holders_prune")
 
 # "<holder>:<token>": the token is hex, so the last ':' splits the two
 HOLDER_SEPARATOR = ":"
@@ -171,7 +174,8 @@ class Liveness:
             # reads the locks of recently written accounts only while a registered one is dead
             pipe = self._client.pipeline(transaction=False)
             pipe.set(self.key, value, px=self.ttl_ms, get=True)
-            pipe.zadd(self._registry, {self.holder_id: int(time.time() * 1000)})
+            # (EVAL, not EVALSHA: a pipeline's script would cost a SCRIPT EXISTS per beat)
+            pipe.eval(_REGISTER_LUA, 1, self._registry, self.holder_id)
             try:
                 old = pipe.execute()[0]
                 if isinstance(old, str):  # a client that decodes replies
@@ -329,12 +333,9 @@ def dead_holders(client: redis.Redis, keys: RedisKeys, keep_ms: int) -> set[str]
     """Registered holders whose liveness key is gone: each died or paused (its locks may
     still be held). Entries older than ``keep_ms`` are dropped first: a holder silent that
     long holds no lock any more (locks expire after their TTL without renewals), and a
-    paused one registers again with its next beat. Two round trips."""
-    now_ms = int(time.time() * 1000)
-    pipe = client.pipeline(transaction=False)
-    pipe.zremrangebyscore(keys.holders(), "-inf", f"({now_ms - keep_ms}")
-    pipe.zrange(keys.holders(), 0, -1)
-    _, members = pipe.execute()
+    paused one registers again with its next beat. Both on the Redis server's clock, which
+    every beat scores its entry by. Two round trips."""
+    members = client.register_script(_PRUNE_LUA)(keys=[keys.holders()], args=[keep_ms])
     registered = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
     return set(registered) - alive_holders(client, keys, registered)
 

@@ -192,7 +192,8 @@ SWEEP_LIMIT = 10_000
 
 def holder_keep_ms(s: Settings) -> int:
     """How long a silent holder stays in the registry (``liveness.dead_holders``): well past
-    the lock TTL, after which none of its locks can remain, with room for clock skew."""
+    the lock TTL, after which none of its locks can remain, with room for a late beat
+    (both sides on the Redis server's clock)."""
     return 2 * s.lock_ttl_ms + 60_000
 
 

@@ -576,6 +576,30 @@ def test_a_holder_is_registered_while_it_beats_and_leaves_when_it_stops(
     assert not srt.redis.exists(live.key)
 
 
+def test_a_holder_on_a_host_whose_clock_is_behind_is_still_seen_dead(
+    srt: runtime.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registry is scored and pruned on the Redis server's clock. Before, each beat wrote
+    its host's clock and the sweeper pruned by its own: a worker host ten minutes behind had
+    its entry dropped on every pass, and its death went unseen (a review found it)."""
+    from payment_worker.locks.liveness import Liveness, dead_holders
+
+    live = Liveness(srt.redis, srt.keys, ttl_ms=3000, interval_ms=3_600_000, margin_ms=1000)
+    live.start()
+    try:
+        real = time.time
+        with monkeypatch.context() as m:
+            m.setattr(time, "time", lambda: real() - 600)  # the worker's host
+            assert live.beat()
+        score = srt.redis.zscore(srt.keys.holders(), live.holder_id)
+        seconds, micros = srt.redis.time()
+        assert score is not None and abs(score - (seconds * 1000 + micros // 1000)) < 5_000
+        srt.redis.delete(live.key)  # it dies
+        assert dead_holders(srt.redis, srt.keys, 60_000) == {live.holder_id}
+    finally:
+        live.stop()
+
+
 def test_a_pass_with_every_holder_alive_reads_no_lock_of_a_fresh_account(
     srt: runtime.Runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:

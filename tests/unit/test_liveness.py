@@ -54,7 +54,7 @@ class ScriptedRedis:
 
 
 class ScriptedPipeline:
-    """A beat's one round trip: the ``SET … GET`` above, and the registry's ``ZADD``."""
+    """A beat's one round trip: the ``SET … GET`` above, and the registry's entry."""
 
     def __init__(self, r: ScriptedRedis) -> None:
         self.r = r
@@ -63,8 +63,10 @@ class ScriptedPipeline:
     def set(self, key: str, value: Any, px: int, get: bool) -> None:
         self.calls.append(lambda: self.r.set(key, value, px=px, get=get))
 
-    def zadd(self, key: str, mapping: dict[str, int]) -> None:
-        assert key == "pw:holders" and list(mapping) == ["host-7-abcd"]
+    def eval(self, script: str, numkeys: int, key: str, holder: str) -> None:
+        # the registry's entry (lua/holder_register.lua: ZADD on the server's clock)
+        assert "ZADD" in script and numkeys == 1
+        assert key == "pw:holders" and holder == "host-7-abcd"
         self.calls.append(lambda: 1)
 
     def execute(self) -> list[Any]:

@@ -36,6 +36,8 @@ def test_the_scripts_are_there() -> None:
         "account_end",
         "account_start",
         "broker_take",
+        "holder_register",
+        "holders_prune",
         "lock_cancel",
         "lock_release",
         "lock_renew",
