@@ -95,7 +95,15 @@ class Runtime:
         # upsert of every lock acquisition (one round trip each)
         self.autocommit_engine: Engine = autocommit(self.engine)
         # pools in shards: hundreds of task threads would queue on one pool's lock
-        self.redis: redis.Redis = sharded_client(self.urls.redis, health_check_interval=10)
+        # (timeouts set here, not left to redis-py's defaults: older releases had none, and a
+        # Redis that stopped answering held a thread, a give-back pass, for ever)
+        self.redis: redis.Redis = sharded_client(
+            self.urls.redis,
+            health_check_interval=10,
+            socket_timeout=5.0,
+            socket_connect_timeout=5.0,
+            socket_keepalive=True,
+        )
         # renewals: no client-side retries, a socket timeout of at most TTL/3
         self.renewal_redis: redis.Redis = renewal_client(self.redis, s.lock_ttl_ms)
         # one thread renews every lock this process holds, one round trip per tick
