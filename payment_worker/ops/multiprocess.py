@@ -74,16 +74,32 @@ def pool_on_command_line(argv: list[str]) -> str | None:
     pool is configured (``WorkersPool.convert`` in celery/bin/worker.py): without this, an
     explicit ``-P prefork`` would silently run WORKER_POOL's pool instead.
     """
+    return _worker_option(argv, "-P", "--pool")
+
+
+def concurrency_on_command_line(argv: list[str]) -> int | None:
+    """The slots a ``celery ... worker`` command line asks for with ``-c``/``--concurrency``
+    (it wins over ``worker_concurrency``), or None (none given, or not a number)."""
+    found = _worker_option(argv, "-c", "--concurrency")
+    try:
+        return int(found) if found is not None else None
+    except ValueError:
+        return None  # Celery itself refuses it
+
+
+def _worker_option(argv: list[str], short: str, long: str) -> str | None:
+    """The last value given to a ``celery ... worker`` option (``-X v``, ``-Xv``, ``--x v``,
+    ``--x=v``), or None."""
     if celery_subcommand(argv) != "worker":
         return None
     found = None
     args = iter(argv[1:])
     for arg in args:
-        if arg in ("-P", "--pool"):
+        if arg in (short, long):
             found = next(args, None)
-        elif arg.startswith("--pool="):
+        elif arg.startswith(long + "="):
             found = arg.split("=", 1)[1]
-        elif arg.startswith("-P") and len(arg) > 2:
+        elif arg.startswith(short) and len(arg) > 2:
             found = arg[2:]
     return found
 

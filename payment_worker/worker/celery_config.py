@@ -10,7 +10,7 @@ from typing import Any
 
 from kombu import Exchange, Queue
 
-from payment_worker.ops.multiprocess import pool_on_command_line
+from payment_worker.ops.multiprocess import concurrency_on_command_line, pool_on_command_line
 from payment_worker.settings import Settings
 from payment_worker.worker.broker_transport import transport_for
 
@@ -19,6 +19,8 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
     """The Celery settings of the service, for the broker at ``broker_url``; ``argv``: the
     process's command line (an explicit ``-P`` there decides the pool)."""
     pool = pool_on_command_line(list(argv)) or s.worker_pool
+    # the slots this process runs: an explicit -c wins over worker_concurrency
+    slots = concurrency_on_command_line(list(argv)) or s.concurrency_for(pool)
     return {
         "broker_url": broker_url,
         # kombu's Redis transport, its client reused instead of built per ack (broker_transport.py)
@@ -53,7 +55,7 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
             # kombu's Redis pool (acks and publishes from every task thread): kombu's 10 is
             # a hard cap with redis-py 8 (MaxConnectionsError past it, not a wait), so it
             # follows the task slots; connections are only made when used at once
-            "max_connections": max(100, 2 * s.concurrency_for(pool)),
+            "max_connections": max(100, 2 * slots),
             "socket_timeout": 10,
             "socket_connect_timeout": 5,
             "health_check_interval": 10,
@@ -68,9 +70,12 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
         # given up by its watchdog after LOCK_MAX_STALL_SECONDS (docs/processing.md).
         "task_time_limit": s.task_time_limit,
         "task_soft_time_limit": s.task_soft_time_limit,
-        # On a lost broker connection, cancel running acks_late tasks: their messages will be
-        # redelivered anyway, and running on would let two workers hold the same batch.
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # On a lost broker connection, running tasks run on (their messages come back and
+        # meet the held account lock; the lock and its fence keep two holders apart).
+        # Cancelling them SIGTERMs prefork children, which die mid-drain: an item whose
+        # request had just left is put in doubt and its lock waits for liveness to lapse,
+        # every running drain at once on one Redis blip. (Threads cannot be cancelled.)
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "broker_connection_retry_on_startup": True,
         # Publishing must fail fast when the broker is down: the producer has already persisted the
         # batch, and the sweeper will enqueue it later.
@@ -98,7 +103,8 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
         "task_serializer": "json",
         "accept_content": ["json"],
         "worker_hijack_root_logger": False,
-        # Recycle a child now and then, so a slow leak can never grow without bound.
+        # Recycle a prefork child now and then, so a slow leak in it is bounded (the threads
+        # pool, the default, ignores it: docs/configuration.md).
         "worker_max_tasks_per_child": 2000,
         "worker_send_task_events": s.worker_task_events,
         "task_send_sent_event": s.worker_task_events,

@@ -21,7 +21,8 @@ def test_reliability_settings() -> None:
     assert c["task_acks_late"] is True
     assert c["task_reject_on_worker_lost"] is True
     assert c["worker_prefetch_multiplier"] == 1
-    assert c["worker_cancel_long_running_tasks_on_connection_loss"] is True
+    # running on through a lost connection: a cancelled prefork child dies mid-drain
+    assert c["worker_cancel_long_running_tasks_on_connection_loss"] is False
     vt = c["broker_transport_options"]["visibility_timeout"]
     assert vt == c["result_backend_transport_options"]["visibility_timeout"]
     assert c["task_time_limit"] < vt
@@ -170,6 +171,21 @@ def test_an_explicit_pool_on_the_worker_command_line_wins(
     assert c["worker_pool"] == pool
     # the default slots follow the pool that runs (-c itself is applied by Celery)
     assert c["worker_concurrency"] == (slots if slots is not None else os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize(
+    "flag", [["-c", "3000"], ["-c3000"], ["--concurrency", "3000"], ["--concurrency=3000"]]
+)
+def test_kombus_pool_follows_an_explicit_concurrency_on_the_command_line(flag: list[str]) -> None:
+    """``-c`` wins over WORKER_CONCURRENCY, so kombu's pool cap follows it: with the setting's
+    1,000 slots, ``-c 3000`` had a cap of 2,000 connections, past which redis-py 8 raises
+    (a review found it)."""
+    argv = ["celery", "-A", "payment_worker", "worker", *flag]
+    c = build_config(Settings(redis_url=BROKER), BROKER, argv)
+    assert c["broker_transport_options"]["max_connections"] == 6000
+    # a -c of another subcommand, or none, leaves the settings' slots
+    beat = build_config(Settings(redis_url=BROKER), BROKER, ["celery", "beat", *flag])
+    assert beat["broker_transport_options"]["max_connections"] == 2 * THREADS_CONCURRENCY
 
 
 def test_a_plain_redis_broker_gets_the_reused_client_transport() -> None:
