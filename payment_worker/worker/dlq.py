@@ -22,8 +22,10 @@ import traceback as tb_mod
 from types import TracebackType
 from typing import Any
 
-from celery import bootsteps
+from celery import Task, bootsteps
+from celery.exceptions import Reject
 from celery.signals import task_failure, task_rejected, task_unknown
+from celery.utils.time import get_exponential_backoff_interval
 
 from payment_worker import runtime
 from payment_worker.db.dead_letters import record_task_crash
@@ -94,14 +96,9 @@ def record_crash(
             log.error("task_crash_lost", task=task_name, error=repr(exc2), **fields)
 
 
-@app.task(
-    name=RECORD_CRASH_TASK,
-    autoretry_for=(Exception,),
-    retry_backoff=True,
-    retry_backoff_max=DEAD_LETTER_RETRY_MAX_SECONDS,
-    max_retries=None,
-)
+@app.task(bind=True, name=RECORD_CRASH_TASK, max_retries=None)
 def record_crash_task(
+    self: Task,
     task_name: str,
     args: list[Any],
     error_class: str,
@@ -110,18 +107,34 @@ def record_crash_task(
     batch_id: str | None,
     task_id: str | None,
 ) -> int:
-    """Queue ``dlq``: write a crash record the hook could not write (retried until it can)."""
-    with runtime.current().engine.begin() as conn:
-        dl_id = record_task_crash(
-            conn,
-            task_name=task_name,
-            args=args,
-            error_class=error_class,
-            error=error,
-            traceback_digest=traceback_digest,
-            batch_id=batch_id,
-            task_id=task_id,
+    """Queue ``dlq``: write a crash record the hook could not write (retried until it can,
+    with exponential backoff and full jitter up to ``DEAD_LETTER_RETRY_MAX_SECONDS``)."""
+    try:
+        with runtime.current().engine.begin() as conn:
+            dl_id = record_task_crash(
+                conn,
+                task_name=task_name,
+                args=args,
+                error_class=error_class,
+                error=error,
+                traceback_digest=traceback_digest,
+                batch_id=batch_id,
+                task_id=task_id,
+            )
+    except Exception as exc:
+        countdown = get_exponential_backoff_interval(
+            factor=1,
+            retries=self.request.retries,
+            maximum=DEAD_LETTER_RETRY_MAX_SECONDS,
+            full_jitter=True,
         )
+        try:
+            raise self.retry(exc=exc, countdown=countdown) from exc
+        except Reject as rejected:
+            # the retry's publish failed: Celery rejects without requeue, and the record
+            # would be gone with this message (autoretry_for did that). Back on the queue
+            log.warning("task_crash_retry_not_published", task=task_name, error=repr(exc))
+            raise Reject(rejected.reason, requeue=True) from exc
     DEAD_LETTERS.labels("task_crashed").inc()
     return dl_id
 

@@ -1,0 +1,77 @@
+"""``payment_worker.dlq.record_crash`` (a crash record the hook could not write) is retried
+until it is written, and is never dropped when its retry cannot be published: Celery's
+``autoretry_for`` rejected the message without requeue then, and the record was gone (a
+review found it). Postgres is really out of reach (a port nothing listens on); the
+broker's refusal of the retry's publish is injected, as a broker failing between a
+delivery and its retry is not something a test produces on cue."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import redis
+from celery.canvas import Signature
+from celery.exceptions import Reject, Retry
+from kombu.exceptions import OperationalError
+
+from payment_worker import runtime
+from payment_worker.settings import DEAD_LETTER_RETRY_MAX_SECONDS
+from payment_worker.worker import dlq
+from tests.conftest import PwEnv
+
+FIELDS: dict[str, Any] = {
+    "task_name": "payment_worker.process_account_batch",
+    "args": ["b-1"],
+    "error_class": "RuntimeError",
+    "error": "boom",
+    "traceback_digest": "d",
+    "batch_id": "b-1",
+    "task_id": "t-1",
+}
+
+
+@pytest.fixture
+def postgres_down(pw_env: PwEnv, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The task as a worker runs it (its fourth delivery), with Postgres out of reach."""
+    # the task's request first: that loads Celery's configuration, with the real broker
+    dlq.record_crash_task.push_request(
+        id="t-1", retries=3, called_directly=False, args=[], kwargs=FIELDS
+    )
+    monkeypatch.setenv("DATABASE_URL", "postgresql://postgres@127.0.0.1:1/postgres")
+    runtime.reset()
+    try:
+        yield
+    finally:
+        dlq.record_crash_task.pop_request()
+        runtime.reset()
+
+
+def test_a_failed_write_is_retried_with_a_jittered_backoff(
+    postgres_down: None, pw_env: PwEnv
+) -> None:
+    with pytest.raises(Retry):
+        dlq.record_crash_task.run(**FIELDS)
+    # the retry is on the real broker's dlq queue, its fifth delivery, due within the backoff
+    raw = redis.Redis.from_url(pw_env.broker_url).lrange("dlq", 0, -1)
+    assert len(raw) == 1
+    headers = json.loads(raw[0])["headers"]
+    assert headers["retries"] == 4
+    # full jitter over the fourth retry's step, 2**3 s (below DEAD_LETTER_RETRY_MAX_SECONDS)
+    wait = (datetime.fromisoformat(headers["eta"]) - datetime.now(UTC)).total_seconds()
+    assert -1 <= wait <= min(2**3, DEAD_LETTER_RETRY_MAX_SECONDS)
+
+
+def test_a_retry_that_cannot_be_published_puts_the_message_back(
+    postgres_down: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broker_down(*_: object, **__: object) -> None:
+        raise OperationalError("Error 111 connecting to the broker")
+
+    monkeypatch.setattr(Signature, "apply_async", broker_down)
+    with pytest.raises(Reject) as rejected:
+        dlq.record_crash_task.run(**FIELDS)
+    assert rejected.value.requeue is True
