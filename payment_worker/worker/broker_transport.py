@@ -138,7 +138,17 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         ]
         taken: list[tuple[str, Any]] = []
         for key_name, raw, recorded in entries:
-            message = loads(raw)
+            try:
+                message = loads(raw)
+            except ValueError:
+                # not a kombu message (pushed by hand?): never recorded (the script reads no
+                # tag in it), so dropped with a line, and the rest of the block delivered.
+                # Raising here left the block's recorded messages out of their queue until
+                # the visibility timeout (an hour)
+                kombu_redis.logger.error(
+                    "dropped a message that is not JSON from %s: %.200r", key_name, raw
+                )
+                continue
             if recorded:
                 self.qos.prerecorded.add(message["properties"]["delivery_tag"])
             taken.append((key_name, message))
@@ -163,7 +173,8 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         whose record the take script wrote and that kombu never took over (those it did are
         in its own bookkeeping, restored by its rules)."""
         for message in reversed(messages):
-            tag = message.get("properties", {}).get("delivery_tag")
+            props = message.get("properties") if isinstance(message, dict) else None
+            tag = props.get("delivery_tag") if isinstance(props, dict) else None
             if tag not in self.qos.prerecorded:
                 continue
             self.qos.prerecorded.discard(tag)

@@ -230,6 +230,26 @@ def test_a_delivery_that_raises_puts_the_rest_of_its_block_back_in_order(
     assert _unacked(url) == 0
 
 
+def test_a_message_that_is_not_json_is_dropped_and_the_rest_of_its_block_delivered(
+    pw_env: PwEnv,
+) -> None:
+    """Someone pushed a line by hand into the queue. Before, decoding it raised after the
+    script had recorded the block's other messages: they were out of their queue, delivered
+    to no one, until the visibility timeout (an hour). A review found it."""
+    url = pw_env.broker_url
+    with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 10}) as conn:
+        _publish(conn, 3)
+        redis.Redis.from_url(url).lpush("pw-transport-test", b"not json")  # popped last
+        _publish(conn, 2)
+        got: list[int] = []
+        channel = conn.channel()
+        with Consumer(channel, [_Q], callbacks=[_acking(got)]):
+            conn.drain_events(timeout=2)
+            assert got == [0, 1, 2, 0, 1]  # the whole block, in order, in one wake-up
+        channel.close()
+    assert _queued(url) == [] and _unacked(url) == 0
+
+
 def test_records_of_a_block_are_restored_by_kombus_visibility_timeout(pw_env: PwEnv) -> None:
     url = pw_env.broker_url
     opts = {"take_batch": 10, "visibility_timeout": 1}
