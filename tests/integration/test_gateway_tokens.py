@@ -440,3 +440,18 @@ def test_the_pause_backoff_starts_afresh_after_a_quiet_spell(
     time.sleep(second + 0.5 + 0.1)  # ended longer ago than the backoff's cap
     third = pause_after_a_failure()
     assert 0.1 < third <= 0.2
+
+
+def test_a_retried_claim_that_holds_the_lock_refreshes_even_while_the_account_cools_down(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    """A claim took the refresh lock and its reply was lost; a 429's cooldown was recorded
+    before the retry. The retry still answers "refresh" (the lock is its own): answered
+    "cooling", it left the lock to an owner nobody knew until its TTL (a review found it)."""
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
+    redis_client.set(mgr.lock_key(ACCT), "owner-1", px=5000)  # the first run's, reply lost
+    Pacer(redis_client).cooldown(ACCT, 2.0)
+    verdict, _, cooling = mgr._claim_token(ACCT, "owner-1", None)
+    assert (verdict, cooling) == ("refresh", 0)
+    # anyone else meets the cooldown, lock or no lock
+    assert mgr._claim_token(ACCT, "owner-2", None)[0] == "cooling"

@@ -17,6 +17,12 @@ local function token_claim(token_key, lock_key, owner, lock_ttl_ms, rejected, pa
   if token ~= '' and token ~= rejected and pttl > lead then
     return {'use', token, pttl, lead, 0}
   end
+  -- the lock already `owner`'s: a retry of a claim whose reply was lost (owners are random
+  -- per claim), so the refresh is this caller's to make (first: a cooldown recorded since
+  -- would leave the lock held by an owner nobody knows, until its TTL)
+  if redis.call('GET', lock_key) == owner then
+    return {'refresh', token, pttl, lead, 0}
+  end
   -- a 429 (a token request's or a payment's) closed the account for every process: no
   -- token request before its Retry-After is over (the protocol), whichever process asks
   local untl = tonumber(redis.call('HGET', pace_key, 'until')) or 0
@@ -24,10 +30,7 @@ local function token_claim(token_key, lock_key, owner, lock_ttl_ms, rejected, pa
   if cooling > 0 then
     return {'cooling', token, pttl, lead, cooling}
   end
-  -- the lock already `owner`'s: a retry of a claim whose reply was lost (owners are random
-  -- per claim), so the refresh is this caller's to make
-  if redis.call('SET', lock_key, owner, 'NX', 'PX', lock_ttl_ms)
-      or redis.call('GET', lock_key) == owner then
+  if redis.call('SET', lock_key, owner, 'NX', 'PX', lock_ttl_ms) then
     return {'refresh', token, pttl, lead, 0}
   end
   return {'wait', token, pttl, lead, 0}
