@@ -209,10 +209,11 @@ class Drainer:
             carried: int | None = None
             try:
                 while True:
-                    if items is None:
+                    if not items:
                         # (a chunk the boundary claimed is checked by its first item's guard,
                         # which gives the chunk back untouched if the lock went meanwhile)
                         lock.ensure_held()
+                    if items is None:
                         if self._stopping():
                             report.handed_off = report.shutdown = True
                             return
