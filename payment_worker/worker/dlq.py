@@ -18,6 +18,7 @@ allows that for ``task_crashed`` only); ``dlq list --reason task_crashed`` shows
 from __future__ import annotations
 
 import hashlib
+import time
 import traceback as tb_mod
 from types import TracebackType
 from typing import Any
@@ -39,6 +40,9 @@ from payment_worker.worker.celery_app import app
 log = get_logger("dlq")
 
 RECORD_CRASH_TASK = "payment_worker.dlq.record_crash"
+# the longest a crash record's task pauses before putting its message back (its retry could
+# not be published): a task slot held, not a tight loop
+_REQUEUE_PAUSE_MAX = 10.0
 PROCESS_TASK_NAME = "payment_worker.process_account_batch"
 
 
@@ -134,6 +138,9 @@ def record_crash_task(
             # the retry's publish failed: Celery rejects without requeue, and the record
             # would be gone with this message (autoretry_for did that). Back on the queue
             log.warning("task_crash_retry_not_published", task=task_name, error=repr(exc))
+            # requeued, it comes back at once with the same retry count: without a pause it
+            # would loop as fast as Postgres refuses while the publish keeps failing
+            time.sleep(min(max(countdown, 1.0), _REQUEUE_PAUSE_MAX))
             raise Reject(rejected.reason, requeue=True) from exc
     DEAD_LETTERS.labels("task_crashed").inc()
     return dl_id

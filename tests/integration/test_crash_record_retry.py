@@ -8,6 +8,7 @@ delivery and its retry is not something a test produces on cue."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -72,6 +73,10 @@ def test_a_retry_that_cannot_be_published_puts_the_message_back(
         raise OperationalError("Error 111 connecting to the broker")
 
     monkeypatch.setattr(Signature, "apply_async", broker_down)
+    started = time.monotonic()
     with pytest.raises(Reject) as rejected:
         dlq.record_crash_task.run(**FIELDS)
     assert rejected.value.requeue is True
+    # requeued, it comes back at once with the same count: a pause first (at least 1 s, the
+    # backoff's draw up to 10 s), not a loop as fast as Postgres refuses
+    assert 1.0 <= time.monotonic() - started < 10.5
