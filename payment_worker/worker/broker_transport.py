@@ -131,22 +131,23 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 client=client,
             )
         # (queue key, message, recorded by the script), BRPOP's message first
-        entries = [(key, item, reply[0])]
+        entries: list[tuple[str, str | bytes, Any]] = [(key, item, reply[0])]
         entries += [
-            (keys[int(reply[i]) - 1], bytes_to_str(reply[i + 2]), reply[i + 1])
-            for i in range(1, len(reply), 3)
+            (keys[int(reply[i]) - 1], reply[i + 2], reply[i + 1]) for i in range(1, len(reply), 3)
         ]
         taken: list[tuple[str, Any]] = []
         for key_name, raw, recorded in entries:
             try:
-                message = loads(raw)
-            except ValueError:
+                message = loads(bytes_to_str(raw))
+                if not isinstance(message, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError:  # (UnicodeDecodeError included)
                 # not a kombu message (pushed by hand?): never recorded (the script reads no
                 # tag in it), so dropped with a line, and the rest of the block delivered.
                 # Raising here left the block's recorded messages out of their queue until
                 # the visibility timeout (an hour)
                 kombu_redis.logger.error(
-                    "dropped a message that is not JSON from %s: %.200r", key_name, raw
+                    "dropped a message that is not a kombu message from %s: %.200r", key_name, raw
                 )
                 continue
             if recorded:

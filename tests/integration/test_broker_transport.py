@@ -230,16 +230,18 @@ def test_a_delivery_that_raises_puts_the_rest_of_its_block_back_in_order(
     assert _unacked(url) == 0
 
 
-def test_a_message_that_is_not_json_is_dropped_and_the_rest_of_its_block_delivered(
+def test_a_message_that_is_not_a_kombu_message_is_dropped_and_the_rest_of_its_block_delivered(
     pw_env: PwEnv,
 ) -> None:
-    """Someone pushed a line by hand into the queue. Before, decoding it raised after the
+    """Someone pushed lines by hand into the queue. Before, decoding it raised after the
     script had recorded the block's other messages: they were out of their queue, delivered
     to no one, until the visibility timeout (an hour). A review found it."""
     url = pw_env.broker_url
     with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 10}) as conn:
         _publish(conn, 3)
-        redis.Redis.from_url(url).lpush("pw-transport-test", b"not json")  # popped last
+        r = redis.Redis.from_url(url)
+        # popped 4th to 6th of the block: not JSON, not UTF-8, JSON but not a message
+        r.lpush("pw-transport-test", b"not json", b"\xff\xfe", b"123")
         _publish(conn, 2)
         got: list[int] = []
         channel = conn.channel()
