@@ -42,8 +42,10 @@ them locally without another round trip:
   do not hold the lock (``held=False``) lease as above, and several processes sending for
   one account together still keep the quota.
 * A 429's ``Retry-After`` is recorded in the same key as a cooldown: no slot is leased
-  before it ends. The process that records it drops its own lease at once; a lease held by
-  another process runs out within its window.
+  before it ends. The process that records it drops its own lease at once (and keeps the
+  account closed itself, even if the write fails); a lease held by another process runs
+  out within its window, and a lock holder past its lease does not read the cooldown
+  again before its drain ends.
 
 Key: ``{prefix}:pace:{account}`` (a hash: ``tat``, ``until``; the ``{account}`` hash tag keeps
 all of an account's keys in one Redis Cluster slot). Scripts: ``lua/pace_acquire.lua``,
@@ -123,9 +125,10 @@ class Pacer:
         # block instead of leasing a second one (which would void the first)
         self._leasing: set[str] = set()
         self._leased = threading.Condition(self._lock)
-        # accounts Redis said are closed (cooldown, other processes' slots) until then: the
-        # process's other threads wait without asking again
-        self._closed: dict[str, float] = {}
+        # accounts Redis said are closed (cooldown, other processes' slots): (when to ask
+        # again, its first slot then within reach; when that slot opens). The process's
+        # other threads wait without asking again
+        self._closed: dict[str, tuple[float, float]] = {}
         self.scripts = 0  # lease scripts run (tests and benchmarks)
 
     def key(self, account_id: str) -> str:
@@ -147,6 +150,13 @@ class Pacer:
         ``held``: the caller holds the account's lock; past its lease it keeps its own
         spacing without a script (see the module).
         """
+        return self._try(account_id, rate, ahead, held)[0]
+
+    def _try(
+        self, account_id: str, rate: float, ahead: float | None, held: bool
+    ) -> tuple[float, float]:
+        """:meth:`try_acquire`'s wait, and the seconds until the account's next slot opens
+        (the wait may be shorter: then the slot is within a lease's reach)."""
         interval = 1.0 / rate
         now = self._clock()
         with self._lock:
@@ -155,8 +165,8 @@ class Pacer:
                 now = self._clock()
             closed = self._closed.get(account_id)
             if closed is not None:
-                if closed > now:
-                    return closed - now
+                if closed[0] > now:
+                    return closed[0] - now, closed[1] - now
                 del self._closed[account_id]
             lease = self._leases.get(account_id)
             if lease is not None:
@@ -164,7 +174,7 @@ class Pacer:
                 if wait is None and held and self.block(rate) >= 2:
                     wait = self._keep(lease, interval, now)
                 if wait is not None:
-                    return wait
+                    return wait, wait
                 del self._leases[account_id]
             self._leasing.add(account_id)
         try:
@@ -182,7 +192,7 @@ class Pacer:
         ahead: float | None,
         last: _Lease | None,
         now: float,
-    ) -> float:
+    ) -> tuple[float, float]:
         """One script call: lease a block of the account's slots and take the first if due."""
         # a whole block each time: a holder slower than the rate (busy CPU, gateway latency)
         # still spends several slots of a block's window, and nobody else wants the account
@@ -212,19 +222,21 @@ class Pacer:
         answer: Sequence[Any],
         sent: float,
         take: bool = True,
-    ) -> float:
-        """A lease script's answer (sent at ``sent``) kept: 0.0 (a slot taken), or the wait.
-        ``take=False``: only kept (the slot is taken by the request that comes for it)."""
+    ) -> tuple[float, float]:
+        """A lease script's answer (sent at ``sent``) kept: 0.0 (a slot taken), or the wait;
+        and the seconds until the slot opens. ``take=False``: only kept (the slot is taken
+        by the request that comes for it)."""
         got = self._clock()
         self.scripts += 1
         granted, delay = answer[0], answer[1]
         delay_s = float(delay) / 1000
         if int(granted) == 0:
+            opens_s = float(answer[2]) / 1000 if len(answer) > 2 else delay_s
             with self._lock:
                 if len(self._leases) + len(self._closed) >= _SWEEP_AT:
                     self._sweep(got)
-                self._closed[account_id] = got + delay_s
-            return delay_s
+                self._closed[account_id] = (got + delay_s, got + opens_s)
+            return delay_s, opens_s
         # the first slot is never used before its time (counted from the answer), the last
         # never after the window as the server knows it (counted from the request)
         start = got + delay_s
@@ -240,7 +252,8 @@ class Pacer:
                 self._sweep(got)
             self._leases[account_id] = lease
             wait = self._take(lease, interval, self._clock()) if take else None
-        return wait if wait is not None else delay_s
+        wait = wait if wait is not None else delay_s
+        return wait, wait
 
     def start_args(self, account_id: str, rate: float) -> tuple[float, int, float] | None:
         """A lease's arguments (rate, slots, reach in ms) for a lock holder's start script
@@ -251,7 +264,7 @@ class Pacer:
             if account_id in self._leasing:
                 return None
             closed = self._closed.get(account_id)
-            if closed is not None and closed > now:
+            if closed is not None and closed[0] > now:
                 return None
             last = self._leases.get(account_id)
             if last is not None and _spent_by(last) > now:
@@ -314,7 +327,7 @@ class Pacer:
         expired = [a for a, lease in self._leases.items() if _spent_by(lease) <= now]
         for account_id in expired:
             del self._leases[account_id]
-        for account_id in [a for a, until in self._closed.items() if until <= now]:
+        for account_id in [a for a, (ask, _) in self._closed.items() if ask <= now]:
             del self._closed[account_id]
 
     def acquire(
@@ -322,21 +335,24 @@ class Pacer:
     ) -> PaceResult:
         """Wait for a slot of ``account_id`` at ``rate`` requests/s, at most ``max_wait`` s.
 
-        Gives up at once, without sleeping, when the account is closed (a 429 cooldown or
-        other processes' slots) for longer than ``max_wait``; the caller reschedules instead
-        of blocking. ``held``: the caller holds the account's lock (see the module).
+        Gives up at once, without sleeping, when the account's next slot opens (a 429
+        cooldown or other processes' slots) more than ``max_wait`` from the start; the caller
+        reschedules instead of blocking, ``retry_after`` the time until it opens. ``held``:
+        the caller holds the account's lock (see the module).
         """
         start = time.monotonic()
         waited = 0.0
         while True:
-            wait = self.try_acquire(account_id, rate, max_wait - waited, held=held)
+            wait, opens = self._try(account_id, rate, max_wait - waited, held)
             waited = time.monotonic() - start
             if wait <= 0:
                 GATEWAY_PACING_WAIT_SECONDS.observe(waited)
                 return PaceResult(True, waited)
-            if waited + wait > max_wait:
+            # (the slot opens, not only comes within reach: a wait that only reaches it
+            # slept nearly max_wait and then gave up anyway)
+            if waited + max(wait, opens) > max_wait:
                 GATEWAY_PACING_WAIT_SECONDS.observe(waited)
-                return PaceResult(False, waited, retry_after=wait)
+                return PaceResult(False, waited, retry_after=max(wait, opens))
             # ask again: a leased slot comes due, another process's lease ends, a 429 closes it
             time.sleep(min(wait, self._max_poll))
             waited = time.monotonic() - start
@@ -345,30 +361,37 @@ class Pacer:
         """The holder is done with the account: this process's lease of it is dropped, and
         the ``tat`` to give back (``lua/account_end.lua``'s ARGV[3]) is returned when there is
         something to give, else None: a lease with slots left whose window has not ended, or
-        a holder that went on past its lease and sent its last request less than an
-        interval ago (the stored timeline does not know that request). The lock's release
-        sends it (``lua/account_end.lua``: if nobody leased since, the first free slot
-        becomes one interval from then)."""
+        one whose last request left less than an interval ago (the stored timeline does not
+        know when: a slot is spent from its actual use, so the last may go just before the
+        window ends, and a holder past its lease goes on on its own spacing). The lock's
+        release sends it (``lua/account_end.lua``: if nobody leased since, the first free
+        slot becomes one interval from then)."""
         with self._lock:
             lease = self._leases.pop(account_id, None)
         if lease is None or lease.tat is None:
             return None
         now = self._clock()
-        if lease.kept:
-            if lease.last_use + lease.interval <= now:
-                return None  # its last request is an interval back: any next one may go
-        elif lease.left <= 0 or lease.end <= now:
+        if lease.last_use + lease.interval > now:
+            return lease.tat  # the next holder starts an interval after this release
+        if lease.kept or lease.left <= 0 or lease.end <= now:
             return None  # spent, or the window is over: the timeline has passed it already
         return lease.tat
 
     def cooldown(self, account_id: str, seconds: float) -> float:
         """Close the account for ``seconds`` in every process (a 429's Retry-After); this
-        process's own leased slots of the account are dropped at once."""
+        process's own leased slots of the account are dropped at once, and it keeps the
+        account closed itself even when the script fails (Redis out of reach: the caller
+        logs it, and this process's next request must not meet another 429)."""
+        now = self._clock()
         with self._lock:
             self._leases.pop(account_id, None)
-            self._closed.pop(account_id, None)
+            self._closed[account_id] = (now + seconds, now + seconds)
         ms = max(1, int(seconds * 1000))
-        return int(self._cooldown(keys=[self.key(account_id)], args=[ms])) / 1000.0
+        # (a longer cooldown already recorded stands: the answer is its time left)
+        left = int(self._cooldown(keys=[self.key(account_id)], args=[ms])) / 1000.0
+        with self._lock:
+            self._closed[account_id] = (now + left, now + left)
+        return left
 
 
 def _spent_by(lease: _Lease) -> float:

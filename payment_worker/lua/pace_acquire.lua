@@ -11,9 +11,9 @@
 -- slot and the account never gets more than one request per interval, whoever leased.
 -- Returns {n, delay_ms, tat}: `n` slots leased, the first `delay_ms` (a decimal string)
 -- from now, the others one interval apart, and the first free slot after them as stored
--- (what lib/pace_return compares to give the rest back); or {0, wait_ms} when the first free
--- slot is further ahead than ARGV[3]: ask again then (a cooldown, or other processes'
--- leases).
+-- (what lib/pace_return compares to give the rest back); or {0, wait_ms, open_ms} when the
+-- first free slot is further ahead than ARGV[3]: ask again in wait_ms (the slot is then
+-- within reach), the slot itself is open_ms away (a cooldown, or other processes' leases).
 -- #include now_ms
 -- #include pace_lease
 return pace_lease(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))

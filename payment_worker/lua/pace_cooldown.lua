@@ -7,7 +7,8 @@
 -- and pace_acquire leases no slot before `until` + one interval, so the first request
 -- after it goes then, never earlier. Slots already leased by a process are not recalled:
 -- a process drops its own lease when it records a cooldown; another one's runs out with
--- its window (at most GATEWAY_PACING_LEASE_SECONDS).
+-- its window (at most GATEWAY_PACING_LEASE_SECONDS), and a lock holder past its lease does
+-- not read this again before its drain ends.
 -- #include now_ms
 local now = now_ms()
 local untl = now + tonumber(ARGV[1])

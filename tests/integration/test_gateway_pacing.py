@@ -120,3 +120,36 @@ def test_first_request_after_a_cooldown_waits_for_its_end(
     start = time.monotonic()
     assert pacer.acquire("acct-1", rate=rate, max_wait=5).acquired
     assert time.monotonic() - start >= 0.3
+
+
+def test_a_slot_opening_just_past_the_max_wait_is_given_up_at_once(
+    redis_client: redis.Redis,
+) -> None:
+    """The account opens 1.2 s from now, the caller waits at most 1 s. The script answered
+    how long until the slot comes within a lease's reach (0.7 s with a 0.5 s window), so the
+    caller slept that, polled until 1 s and gave up with a retry_after of about 0.2 s (a
+    review found it). Now it gives up at once, with the time until the slot opens."""
+    pacer = Pacer(redis_client, prefix="pw", lease_seconds=0.5)
+    pacer.cooldown("acct-1", 1.2)
+    fresh = Pacer(redis_client, prefix="pw", lease_seconds=0.5)  # another process
+    start = time.monotonic()
+    result = fresh.acquire("acct-1", rate=20, max_wait=1.0)
+    assert not result.acquired and time.monotonic() - start < 0.2
+    assert 1.0 < result.retry_after <= 1.3
+
+
+def test_a_cooldown_that_could_not_be_recorded_still_closes_this_process(
+    redis_client: redis.Redis,
+) -> None:
+    """A 429's cooldown whose write failed (Redis out of reach) was only logged, and this
+    process's next request leased a slot at once and met another 429 (a review found it)."""
+    pacer = Pacer(redis_client, prefix="pw", lease_seconds=0.5)
+    assert pacer.acquire("acct-1", rate=20, max_wait=1.0).acquired  # a lease of 10 slots
+
+    def refused(*_: object, **__: object) -> int:
+        raise redis.ConnectionError("Redis out of reach")
+
+    pacer._cooldown = refused  # type: ignore[assignment]  (the one fault injected)
+    with pytest.raises(redis.ConnectionError):
+        pacer.cooldown("acct-1", 2.0)
+    assert 1.5 < pacer.try_acquire("acct-1", rate=20) <= 2.0

@@ -226,11 +226,55 @@ def test_a_spent_lease_costs_no_give_back_script(redis_client: redis.Redis) -> N
     pacer = Pacer(redis_client, "pw", lease_seconds=0.02)  # blocks of 2 slots, 20 ms
     assert pacer.acquire("acct-spent", rate, max_wait=1.0).acquired
     assert pacer.acquire("acct-spent", rate, max_wait=1.0).acquired  # the block is spent
+    time.sleep(1 / rate + 0.01)  # and its last request an interval back (below: not yet)
     before = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
     assert not give_back(redis_client, pacer, "acct-spent", rate)
     assert not give_back(redis_client, pacer, "acct-none", rate)  # never leased here
     after = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
     assert after == before
+
+
+def test_a_spent_lease_whose_last_request_just_left_is_given_back(
+    redis_client: redis.Redis,
+) -> None:
+    """A slot is spent from its actual use, so the block's last request may leave just
+    before its window ends: the stored timeline then lies less than an interval after it.
+    Given back, the next holder starts an interval after the release (before, nothing was
+    sent for a spent lease and the next one could go at once: a review found it)."""
+    rate = 10.0  # blocks of 2 slots, 100 ms apart
+    first = Pacer(redis_client, "pw", lease_seconds=0.2)
+    nxt = Pacer(redis_client, "pw", lease_seconds=0.2)
+    assert first.acquire("acct-late", rate, max_wait=1.0).acquired
+    time.sleep(0.15)  # the second slot used late, near the window's end
+    assert first.acquire("acct-late", rate, max_wait=1.0).acquired
+    last = time.monotonic()
+    assert give_back(redis_client, first, "acct-late", rate)
+    assert nxt.acquire("acct-late", rate, max_wait=1.0).acquired
+    assert time.monotonic() - last >= 1 / rate - 0.01
+
+
+def test_a_give_back_after_the_timeline_expired_still_spaces_the_next_holder(
+    redis_client: redis.Redis,
+) -> None:
+    """The timeline's key expires a second after its last leased slot; a holder past its
+    lease sends on its own spacing for the rest of its drain. Its give-back found no key and
+    wrote nothing, so the next holder could go at once (a review found it)."""
+    rate = 10.0
+    first = Pacer(redis_client, "pw", lease_seconds=0.2)
+    nxt = Pacer(redis_client, "pw", lease_seconds=0.2)
+    assert first.acquire("acct-long", rate, max_wait=1.0, held=True).acquired
+    assert first.acquire("acct-long", rate, max_wait=1.0, held=True).acquired
+    deadline = time.monotonic() + 5
+    while redis_client.exists(first.key("acct-long")):  # expired: nothing renews it
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert first.acquire("acct-long", rate, max_wait=1.0, held=True).acquired  # own spacing
+    last = time.monotonic()
+    assert first.scripts == 1
+    assert give_back(redis_client, first, "acct-long", rate)
+    assert redis_client.pttl(first.key("acct-long")) > 1000  # kept past the slot it set
+    assert nxt.acquire("acct-long", rate, max_wait=1.0, held=True).acquired
+    assert time.monotonic() - last >= 1 / rate - 0.01
 
 
 def test_a_lock_holder_past_its_lease_keeps_its_spacing_without_a_script(

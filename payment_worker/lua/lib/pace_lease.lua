@@ -1,8 +1,8 @@
 -- lib/pace_lease: lease a block of an account's request slots, on the server clock (needs
 -- lib/now_ms included before it).
 --
--- Defines: pace_lease(key, rate, want, ahead_ms) -> {n, delay_ms, tat} or {0, wait_ms}, as
--- pace_acquire.lua returns it (see there for the timeline's rules).
+-- Defines: pace_lease(key, rate, want, ahead_ms) -> {n, delay_ms, tat} or {0, wait_ms,
+-- open_ms}, as pace_acquire.lua returns it (see there for the timeline's rules).
 local function pace_lease(key, rate, want, ahead_ms)
   local now = now_ms()
   local interval = 1000 / rate
@@ -14,7 +14,7 @@ local function pace_lease(key, rate, want, ahead_ms)
   end
   if start < now then start = now end
   if start - now > ahead_ms then
-    return {0, math.max(1, math.ceil(start - now - ahead_ms))}
+    return {0, math.max(1, math.ceil(start - now - ahead_ms)), math.ceil(start - now)}
   end
   local tat = start + want * interval
   local stored = string.format('%.3f', tat)
