@@ -41,8 +41,9 @@ from payment_worker.gateway.outcomes import (
     client_error,
     not_sent,
 )
-from payment_worker.gateway.pacing import Pacer
+from payment_worker.gateway.pacing import Pacer, PaceResult
 from payment_worker.gateway.tokens import (
+    TOKEN_COOLING,
     TOKEN_PAUSED,
     TOKEN_WAIT_TIMEOUT,
     SentRequest,
@@ -317,18 +318,21 @@ class GatewayClient:
         for _ in range(2):
             try:
                 token = self.tokens.get(account_id, rejected=rejected)
+                paced: PaceResult | None = None
+                if isinstance(token, GatewayResult) and token.reason == TOKEN_COOLING:
+                    # a 429's cooldown holds the token request back: waited for as for a
+                    # slot (within GATEWAY_PACING_MAX_WAIT), then the token asked again
+                    paced = self._pace(account_id, held)
+                    if paced.acquired:
+                        token = self.tokens.get(account_id, rejected=rejected)
                 if isinstance(token, GatewayResult):
                     # a token 429 closes the account as a payment's does; any other result
                     # (a pause after a failed token request included) asked nothing of it
                     if token.http_status == 429 and token.retry_after is not None:
                         self._cooldown(account_id, token.retry_after)
                     return self._done(endpoint, account_id, token)
-                paced = self.pacer.acquire(
-                    account_id,
-                    self._settings.rate_for(account_id),
-                    self._settings.gateway_pacing_max_wait,
-                    held=held,
-                )
+                if paced is None:
+                    paced = self._pace(account_id, held)
             except RedisError as exc:
                 # the shared token or the pacing bucket is out of reach: nothing was sent
                 res = not_sent("redis_error", f"{type(exc).__name__}: {exc}")
@@ -352,6 +356,15 @@ class GatewayClient:
             rejected = token
         assert result is not None
         return self._done(endpoint, account_id, result)
+
+    def _pace(self, account_id: str, held: bool) -> PaceResult:
+        """Wait for a slot of the account, at most GATEWAY_PACING_MAX_WAIT."""
+        return self.pacer.acquire(
+            account_id,
+            self._settings.rate_for(account_id),
+            self._settings.gateway_pacing_max_wait,
+            held=held,
+        )
 
     def _send(
         self,

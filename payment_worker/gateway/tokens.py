@@ -28,9 +28,9 @@ from __future__ import annotations
 import random
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import redis
@@ -38,14 +38,12 @@ import redis
 from payment_worker import lua
 from payment_worker.gateway.outcomes import (
     GatewayResult,
-    Outcome,
     classify_transport_error,
     not_sent,
-    parse_retry_after,
 )
+from payment_worker.gateway.token_answer import TokenAnswer, parse_token, token_failure
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import GATEWAY_TOKEN_REFRESHES
-from payment_worker.ops.redaction import redact
 from payment_worker.redis_keys import RedisKeys
 
 log = get_logger("gateway.tokens")
@@ -65,6 +63,9 @@ _PAUSE_MAX = 30.0
 #: the reason of a result returned during such a pause (its error names the failure)
 TOKEN_PAUSED = "token_paused"
 TOKEN_WAIT_TIMEOUT = "token_wait_timeout"
+#: the reason of a result returned while a 429's cooldown holds the token request back (the
+#: pacer's own reason: the caller may wait for it as for a slot)
+TOKEN_COOLING = "paced"
 
 # read the token and take the refresh lock in one step; store a token (and release the lock)
 # only while holding it; release the lock when nothing was stored. All owner-checked.
@@ -85,27 +86,6 @@ class CachedToken:
     def due(self) -> bool:
         """True once the token should be refreshed ahead of expiry."""
         return self.remaining_ms <= self.lead_ms
-
-
-class TokenAnswer(Protocol):
-    """What the token manager reads of an answer to ``POST /oauth/token``: the client's
-    :class:`~payment_worker.gateway.connection.Answer` (no ``httpx.Response`` built for it)
-    or an ``httpx.Response`` (tests, other fetchers)."""
-
-    @property
-    def status_code(self) -> int:
-        """The HTTP status."""
-
-    @property
-    def text(self) -> str:
-        """The body as text."""
-
-    @property
-    def headers(self) -> Mapping[str, str]:
-        """The header fields, by name (case-insensitive)."""
-
-    def json(self) -> Any:
-        """The body parsed as JSON (ValueError when it is not)."""
 
 
 TokenFetcher = Callable[[str], TokenAnswer]
@@ -354,7 +334,7 @@ class TokenManager:
             if verdict == "cooling":
                 # a 429 closed the account for every process: its token request waits too
                 return not_sent(
-                    "paced",
+                    TOKEN_COOLING,
                     f"account cooling down for {cooling_ms / 1000:.3f}s more (no token "
                     "request before then)",
                     retry_after=cooling_ms / 1000,
@@ -454,10 +434,10 @@ class TokenManager:
             failed = not_sent(f"token_{res.reason}", f"token request: {res.error}")
             self._pause(account_id, failed)
             return failed, False
-        token, expires_in = _parse_token(resp)
+        token, expires_in = parse_token(resp)
         if token is None or expires_in is None:
             GATEWAY_TOKEN_REFRESHES.labels(result=f"http_{resp.status_code}").inc()
-            failed = _token_failure(resp)
+            failed = token_failure(resp)
             self._pause(account_id, failed)
             return failed, False
         GATEWAY_TOKEN_REFRESHES.labels(result="ok").inc()
@@ -486,46 +466,3 @@ class TokenManager:
 
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _parse_token(resp: TokenAnswer) -> tuple[str | None, float | None]:
-    if resp.status_code != 200:
-        return None, None
-    try:
-        data = resp.json()
-    except ValueError:
-        return None, None
-    if not isinstance(data, dict):
-        return None, None
-    token, expires_in = data.get("access_token"), data.get("expires_in")
-    if not isinstance(token, str) or not token:
-        return None, None
-    if isinstance(expires_in, bool) or not isinstance(expires_in, int | float) or expires_in <= 0:
-        return None, None
-    return token, float(expires_in)
-
-
-def _token_failure(resp: TokenAnswer) -> GatewayResult:
-    """A token request that gave no token: the payment was not sent, retry later."""
-    text = redact(resp.text[:264])[:200]  # masked before it is cut
-    retry_after = None
-    if resp.status_code == 429:
-        retry_after = parse_retry_after(resp.headers.get("retry-after")) or 1.0
-    log.warning("token_request_refused", status=resp.status_code, body=text)
-    return GatewayResult(
-        outcome=Outcome.RETRY,
-        http_status=resp.status_code,
-        reason=f"token_{_error_code(resp) or 'error'}",
-        retry_after=retry_after,
-        error=f"token request: HTTP {resp.status_code}: {text}",
-        sent=False,  # no payment request left without a token
-    )
-
-
-def _error_code(resp: TokenAnswer) -> str | None:
-    try:
-        data = resp.json()
-    except ValueError:
-        return None
-    code = data.get("error") if isinstance(data, dict) else None
-    return code if isinstance(code, str) else None
