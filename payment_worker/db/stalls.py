@@ -17,6 +17,9 @@ from payment_worker.domain.statuses import IN_DOUBT_TX_STATUSES, OPEN_TX_STATUSE
 _OPEN = sql_values(OPEN_TX_STATUSES)
 _IN_DOUBT = sql_values(IN_DOUBT_TX_STATUSES)
 
+# Stale accounts first: with :every (a registered holder is dead) the limit would otherwise
+# be filled by a healthy backlog's oldest work, and the accounts needing a repair (a lost
+# delayed retry, the dead holder's own) left out while the dead holder stays registered.
 # Every due open item is read once a pass: the aggregate runs over transactions alone, and
 # only the (at most :limit) accounts it keeps are joined to their batches (joining every due
 # item first cost a third more). The message goes to the account's oldest batch with due
@@ -35,11 +38,11 @@ FROM (
       AND t.next_attempt_at <= now()
     GROUP BY t.account_id
     HAVING :every OR max(t.updated_at) < now() - make_interval(secs => :stale)
-    ORDER BY first_due
+    ORDER BY stale DESC, first_due
     LIMIT :limit
 ) s
 JOIN batches b ON b.id = s.batch_pk
-ORDER BY s.first_due
+ORDER BY s.stale DESC, s.first_due
 """)
 
 # a background pass on one backend: a parallel plan would take every core of a small

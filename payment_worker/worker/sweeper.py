@@ -348,9 +348,17 @@ def server_ms(time_reply: tuple[int, int]) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
+def waited_memory_ms(s: Settings) -> int:
+    """How long a pass remembers the oldest waiting message (:func:`_waited_lately`): the
+    stale period, and two intervals more, so the next pass still finds it however the
+    interval compares to the stale period (before, the stale period alone: with passes 2 s
+    or more apart, the memory was gone at every pass)."""
+    return max(1, int((s.sweeper_stale_after + 2 * s.sweeper_interval) * 1000))
+
+
 def _waited_lately(res: Runtime, oldest: int | None) -> tuple[int | None, int]:
     """The publish time of the oldest message waiting now or at the last pass that found
-    one, if that pass was less than ``SWEEPER_STALE_AFTER`` ago (the ``sweeper:waited`` key,
+    one, if that pass was less than :func:`waited_memory_ms` ago (the ``sweeper:waited`` key,
     set here while one waits: the last such pass's, not the oldest over the period, which a
     lasting backlog would keep from ever moving on).
 
@@ -359,8 +367,8 @@ def _waited_lately(res: Runtime, oldest: int | None) -> tuple[int | None, int]:
     takes up to a second. Judged by the queue alone, the accounts of a burst just taken
     looked free, stale and unqueued the moment the queue emptied, and got a repair message
     each (26 to 57 wasted executions in a run of throughput scenario 4). A message the last
-    such pass saw waiting now counts as on its way for the stale period after it; a message
-    lost since (a broker flush) is repaired that much later, at most.
+    such pass saw waiting now counts as on its way for that memory's length after it; a
+    message lost since (a broker flush) is repaired that much later, at most.
 
     With it, the Redis server's time now (ms), read in the same round trip."""
     key = res.keys.sweeper_waited()
@@ -368,7 +376,7 @@ def _waited_lately(res: Runtime, oldest: int | None) -> tuple[int | None, int]:
         pipe = res.redis.pipeline(transaction=False)
         pipe.get(key)
         if oldest is not None:
-            pipe.set(key, oldest, px=max(1, int(res.settings.sweeper_stale_after * 1000)))
+            pipe.set(key, oldest, px=waited_memory_ms(res.settings))
         pipe.time()
         answers = pipe.execute()
     except RedisError as exc:  # judge by the queue alone
@@ -388,7 +396,11 @@ def _messages_on_their_way(
     broker, and those whose lock a task has taken since it was read.
 
     On its way: published (the ``queued`` mark) less than ``horizon_ms`` ago, which is
-    ``SWEEPER_STALE_AFTER`` plus the wait of the oldest message still waiting. A backlog
+    ``SWEEPER_STALE_AFTER`` plus the wait of the oldest message still waiting; or a delayed
+    message of :func:`~payment_worker.worker.queueing.schedule` due less than that ago, or
+    not due yet (its ``scheduled`` marker: a retry's message waits for a free slot or a
+    host's clock like any other; its marker expires a few seconds after the due time, so a
+    lost one is still repaired). A backlog
     delays every message alike, so a repair would only run after the original; a lost
     message (a broker flush empties the queue) is repaired ``SWEEPER_STALE_AFTER`` after the
     oldest message still waiting was published, at the latest.
@@ -405,17 +417,29 @@ def _messages_on_their_way(
         pipe = res.redis.pipeline(transaction=False)
         for acct in account_ids[i : i + READ_CHUNK]:
             pipe.get(res.keys.queued(acct))
+            pipe.hget(res.keys.scheduled(acct), "due")
             pipe.get(res.keys.lock(acct))
         if i == 0:
             pipe.time()  # the marks' clock, in the first chunk's round trip
-        got = pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
         if i == 0:
-            now_ms = server_ms(got.pop())
-        answers += got
+            clock = replies.pop()
+            if isinstance(clock, Exception):
+                raise clock
+            now_ms = server_ms(clock)
+        # (a marker of an older release is a string: its HGET's error reads as no marker)
+        answers += [None if isinstance(a, Exception) else a for a in replies]
     on_its_way, taken = set(), set()
-    for acct, mark, lock in zip(account_ids, answers[::2], answers[1::2], strict=True):
-        if mark is not None and mark.isdigit() and now_ms - int(mark) < horizon_ms:
+    for acct, mark, due, lock in zip(
+        account_ids, answers[::3], answers[1::3], answers[2::3], strict=True
+    ):
+        if _recent(mark, now_ms, horizon_ms) or _recent(due, now_ms, horizon_ms):
             on_its_way.add(acct)
         elif lock is not None:
             taken.add(acct)
     return on_its_way, taken
+
+
+def _recent(stamp: bytes | None, now_ms: int, horizon_ms: int) -> bool:
+    """A mark's or a due time's ms (server clock) less than ``horizon_ms`` ago, or ahead."""
+    return stamp is not None and stamp.isdigit() and now_ms - int(stamp) < horizon_ms

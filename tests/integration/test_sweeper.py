@@ -726,7 +726,8 @@ def test_the_memory_of_waited_messages_keeps_the_oldest_for_the_stale_period(
     srt: runtime.Runtime,
 ) -> None:
     """``_waited_lately``: the older of the queue's oldest and what the last pass that found
-    one saw, for SWEEPER_STALE_AFTER after it; a value it cannot read, or a Redis it cannot
+    one saw, for SWEEPER_STALE_AFTER and two intervals after it (before, the stale period
+    alone: passes further apart never found it); a value it cannot read, or a Redis it cannot
     reach, leaves the queue's own oldest (the rule before it: at worst one repair message too
     many)."""
     from types import SimpleNamespace
@@ -737,7 +738,9 @@ def test_the_memory_of_waited_messages_keeps_the_oldest_for_the_stale_period(
     srt.redis.delete(key)
     assert _waited_lately(srt, None)[0] is None  # nothing waits, nothing was seen
     assert _waited_lately(srt, 5_000)[0] == 5_000  # kept, for the stale period only
-    assert 0 < srt.redis.pttl(key) <= STALE * 1000
+    # for the stale period and two intervals more: the next pass still finds it
+    interval = srt.settings.sweeper_interval
+    assert STALE * 1000 < srt.redis.pttl(key) <= (STALE + 2 * interval) * 1000
     assert _waited_lately(srt, 9_000)[0] == 5_000  # the queue moved on: the older one counts
     assert _waited_lately(srt, None)[0] == 9_000  # the queue is empty: what the last pass saw
     # the server's time comes with it, from the same round trip
@@ -785,3 +788,50 @@ def test_a_publishers_skewed_clock_neither_hides_a_lost_message_nor_makes_a_back
     publish_at(-3600.0, "b-behind", "acct-behind")
     assert broker_messages(pw_env) == ["b-behind"]  # waits: no worker runs here
     assert sweeper._backlog_ms(srt) < 10_000
+
+
+def test_with_a_dead_holder_the_limit_keeps_the_stale_accounts_first(
+    srt: runtime.Runtime, db_conn: psycopg.Connection[Any]
+) -> None:
+    """While a registered holder is dead the query drops its staleness filter, and its limit
+    was filled by the oldest due work: a healthy backlog's, ahead of a stale account whose
+    due work is newer (a lost delayed retry), left out until the backlog drained (a review
+    found it). Stale accounts come first now."""
+    for n in range(3):
+        _save(f"b-busy-{n}", f"acct-busy-{n}", srt)
+    _save("b-lost", "acct-lost", srt)
+    # the backlog's work due long ago and touched just now; the lost retry due just now and
+    # untouched for a minute
+    db_conn.execute(
+        "UPDATE transactions SET next_attempt_at = now() - interval '1 hour', updated_at = now()"
+        " WHERE account_id LIKE 'acct-busy-%'"
+    )
+    db_conn.execute(
+        "UPDATE transactions SET next_attempt_at = now() - interval '1 second',"
+        " updated_at = now() - interval '1 minute' WHERE account_id = 'acct-lost'"
+    )
+    with srt.engine.begin() as conn:
+        found = stalls.stalled_accounts(conn, STALE, limit=2, every=True)
+    assert found[0].account_id == "acct-lost" and found[0].stale
+    assert not found[1].stale
+
+
+def test_a_delayed_retry_due_just_now_counts_as_on_its_way(
+    srt: runtime.Runtime, pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    """A retry's delayed message comes due with the items; its task may wait a moment for a
+    free slot. The account looked free, stale and unmarked, and got a repair message too (a
+    review found it). Its ``scheduled`` marker now counts as a message on its way, until it
+    expires a few seconds after the due time (a lost delayed message is still repaired)."""
+    from payment_worker.worker.queueing import schedule
+
+    _save("b-1", "acct-1", srt)
+    _age(db_conn)
+    schedule(srt, "acct-1", "b-1", 0.0)  # due now, not taken yet
+    broker = redis.Redis.from_url(pw_env.broker_url)
+    broker.delete("payments")  # (a countdown of 0 goes to the queue: the test wants it lost)
+    result = run_sweep(srt)
+    assert (result["queued"], result["reenqueued"]) == (1, [])
+    # its marker gone (it expires a few seconds after the due time): repaired
+    srt.redis.delete(srt.keys.scheduled("acct-1"))
+    assert run_sweep(srt)["reenqueued"] == ["b-1"]
