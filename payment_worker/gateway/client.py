@@ -318,21 +318,25 @@ class GatewayClient:
         for _ in range(2):
             try:
                 token = self.tokens.get(account_id, rejected=rejected)
-                paced: PaceResult | None = None
-                if isinstance(token, GatewayResult) and token.reason == TOKEN_COOLING:
-                    # a 429's cooldown holds the token request back: waited for as for a
-                    # slot (within GATEWAY_PACING_MAX_WAIT), then the token asked again
-                    paced = self._pace(account_id, held)
-                    if paced.acquired:
-                        token = self.tokens.get(account_id, rejected=rejected)
+                cooling = token.retry_after if isinstance(token, GatewayResult) else None
+                if (
+                    isinstance(token, GatewayResult)
+                    and token.reason == TOKEN_COOLING
+                    and cooling is not None
+                    and cooling <= self._settings.gateway_pacing_max_wait
+                ):
+                    # a 429's cooldown holds the token request back: waited out as a slot's
+                    # would be (no slot taken: it is taken below, after the token), then
+                    # the token asked again
+                    time.sleep(cooling)
+                    token = self.tokens.get(account_id, rejected=rejected)
                 if isinstance(token, GatewayResult):
                     # a token 429 closes the account as a payment's does; any other result
                     # (a pause after a failed token request included) asked nothing of it
                     if token.http_status == 429 and token.retry_after is not None:
                         self._cooldown(account_id, token.retry_after)
                     return self._done(endpoint, account_id, token)
-                if paced is None:
-                    paced = self._pace(account_id, held)
+                paced = self._pace(account_id, held)
             except RedisError as exc:
                 # the shared token or the pacing bucket is out of reach: nothing was sent
                 res = not_sent("redis_error", f"{type(exc).__name__}: {exc}")

@@ -107,7 +107,12 @@ def _rest_after(res: Runtime, seconds: float) -> None:
     if rest_ms <= _tick_gap_ms(res.settings):
         return
     try:
-        res.redis.set(res.keys.sweeper_tick(), os.getpid(), px=rest_ms)
+        pipe = res.redis.pipeline(transaction=False)
+        pipe.set(res.keys.sweeper_tick(), os.getpid(), px=rest_ms)
+        # the memory of waited messages must reach the pass after the rest (a no-op when
+        # there is none; never shorter than it was set this pass)
+        pipe.pexpire(res.keys.sweeper_waited(), rest_ms + waited_memory_ms(res.settings))
+        pipe.execute()
     except RedisError as exc:  # the next tick then comes at the interval, as before
         log.warning("sweeper_rest_not_set", error=repr(exc))
 
@@ -185,8 +190,8 @@ def run_sweep(res: Runtime) -> dict[str, Any]:
             log.warning("sweeper_lock_expired", seconds=time.monotonic() - started)
 
 
-# accounts one pass looks at, at most (the oldest due first); far above a fleet's held accounts,
-# so live holders never crowd out a dead one
+# accounts one pass looks at, at most (the stale ones first, then the oldest due); far
+# above a fleet's held accounts, so live holders never crowd out a dead one
 SWEEP_LIMIT = 10_000
 
 
@@ -397,10 +402,11 @@ def _messages_on_their_way(
 
     On its way: published (the ``queued`` mark) less than ``horizon_ms`` ago, which is
     ``SWEEPER_STALE_AFTER`` plus the wait of the oldest message still waiting; or a delayed
-    message of :func:`~payment_worker.worker.queueing.schedule` due less than that ago, or
-    not due yet (its ``scheduled`` marker: a retry's message waits for a free slot or a
-    host's clock like any other; its marker expires a few seconds after the due time, so a
-    lost one is still repaired). A backlog
+    message of :func:`~payment_worker.worker.queueing.schedule` due less than that ago (or
+    within a second: its ``scheduled`` marker; at its due time a retry's message may wait
+    for a free slot like any other; the marker expires a few seconds after the due time, so
+    a lost one is still repaired). A delayed message due later does not hold a repair back:
+    the due work is not the retry's then. A backlog
     delays every message alike, so a repair would only run after the original; a lost
     message (a broker flush empties the queue) is repaired ``SWEEPER_STALE_AFTER`` after the
     oldest message still waiting was published, at the latest.
@@ -433,7 +439,7 @@ def _messages_on_their_way(
     for acct, mark, due, lock in zip(
         account_ids, answers[::3], answers[1::3], answers[2::3], strict=True
     ):
-        if _recent(mark, now_ms, horizon_ms) or _recent(due, now_ms, horizon_ms):
+        if _recent(mark, now_ms, horizon_ms) or _due_lately(due, now_ms, horizon_ms):
             on_its_way.add(acct)
         elif lock is not None:
             taken.add(acct)
@@ -441,5 +447,19 @@ def _messages_on_their_way(
 
 
 def _recent(stamp: bytes | None, now_ms: int, horizon_ms: int) -> bool:
-    """A mark's or a due time's ms (server clock) less than ``horizon_ms`` ago, or ahead."""
+    """A mark's ms (server clock) less than ``horizon_ms`` ago (or ahead)."""
     return stamp is not None and stamp.isdigit() and now_ms - int(stamp) < horizon_ms
+
+
+# a delayed message due this much ahead still counts as on its way (its task may start a
+# moment early: clocks, a countdown rounded)
+SCHEDULED_AHEAD_MS = 1_000
+
+
+def _due_lately(due: bytes | None, now_ms: int, horizon_ms: int) -> bool:
+    """A delayed message's due time (server clock) less than ``horizon_ms`` ago, or just
+    ahead. One due later does not count: the account's due work is other work then (a lost
+    message), not the retry it waits for."""
+    if due is None or not due.isdigit():
+        return False
+    return -SCHEDULED_AHEAD_MS <= now_ms - int(due) < horizon_ms

@@ -351,6 +351,20 @@ def test_tokens_are_refreshed_ahead_of_expiry_without_401(
     assert 3 <= ledger["tokens_issued"] <= 4
 
 
+def test_a_token_held_back_by_a_cooldown_is_waited_for_then_asked_once(
+    client: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    """No token yet and the account cooling down (another process met a 429): no token
+    request before the cooldown ends (the protocol), then one, and the payment goes."""
+    p = tx("c1")
+    client.pacer.cooldown(p.account_id, 0.5)
+    cooled_from = gateway_sim.now()
+    assert create(client, p).outcome is Outcome.SUCCEEDED
+    asked = [t for t, e, _ in gateway_sim.requests(p.account_id) if e == "token"]
+    assert gateway_sim.statuses(p.account_id, "token") == [200]
+    assert asked[0] - cooled_from >= 0.45  # (the old client asked at once)
+
+
 def test_guard_runs_after_the_pacing_wait_and_stops_the_send(
     client: GatewayClient, gateway_sim: SimHandle
 ) -> None:

@@ -835,3 +835,28 @@ def test_a_delayed_retry_due_just_now_counts_as_on_its_way(
     # its marker gone (it expires a few seconds after the due time): repaired
     srt.redis.delete(srt.keys.scheduled("acct-1"))
     assert run_sweep(srt)["reenqueued"] == ["b-1"]
+
+
+def test_a_delayed_retry_due_later_does_not_hold_back_the_repair_of_due_work(
+    srt: runtime.Runtime, pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    """The account waits for a retry a minute from now, and also has work due now whose
+    message was lost: that work is repaired at once, not a minute later (the review of the
+    fix above found it)."""
+    from payment_worker.worker.queueing import schedule
+
+    _save("b-1", "acct-1", srt)
+    _age(db_conn)
+    schedule(srt, "acct-1", "b-old", 60.0)
+    assert run_sweep(srt)["reenqueued"] == ["b-1"]
+
+
+def test_a_long_pass_keeps_the_waited_memory_past_its_rest(srt: runtime.Runtime) -> None:
+    """A pass of P seconds rests the fleet's next one P seconds: the memory of waited
+    messages must still be there then (the review of its lengthening found it)."""
+    from payment_worker.worker.sweeper import _rest_after, _waited_lately, waited_memory_ms
+
+    srt.redis.delete(srt.keys.sweeper_waited())
+    _waited_lately(srt, 5_000)
+    _rest_after(srt, 4.0)  # a 4 s pass
+    assert srt.redis.pttl(srt.keys.sweeper_waited()) > 4_000 + waited_memory_ms(srt.settings) - 500
