@@ -357,8 +357,8 @@ def test_a_token_held_back_by_a_cooldown_is_waited_for_then_asked_once(
     """No token yet and the account cooling down (another process met a 429): no token
     request before the cooldown ends (the protocol), then one, and the payment goes."""
     p = tx("c1")
+    cooled_from = gateway_sim.now()  # (read first: under load the read itself takes a while)
     client.pacer.cooldown(p.account_id, 0.5)
-    cooled_from = gateway_sim.now()
     assert create(client, p).outcome is Outcome.SUCCEEDED
     asked = [t for t, e, _ in gateway_sim.requests(p.account_id) if e == "token"]
     assert gateway_sim.statuses(p.account_id, "token") == [200]
