@@ -81,6 +81,9 @@ class DemoOptions:
     seed: int = 7
 
 
+_SERVER_NAMES = {"postgres": "PostgreSQL", "redis": "Redis"}
+
+
 def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
     # SIGTERM or SIGHUP, handled like Ctrl-C: stop everything, then exit 130
     raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -236,15 +239,20 @@ def _run(
     say(f"[bold]payment-worker demo[/bold]{' --chaos' if opts.chaos else ''}  (run {run_id})")
     say(f"  files    {_rel(run_dir)}/  (a .log per process, the batches, the report)")
     embedded_mode = not (s.database_url and s.redis_url)
-    was_running = embedded_mode and all(
-        v.startswith("running") for v in embedded.status(s.home).values()
-    )
-    rt: Runtime = make_runtime()
-    started_services = embedded_mode and not was_running
+    # the embedded servers this run uses, and of those the ones it starts: only these are
+    # stopped at its end (a server already running, or one named by a URL, is left alone)
+    ours = [name for name, url in (("postgres", s.database_url), ("redis", s.redis_url)) if not url]
+    before = embedded.status(s.home) if ours else {}
+    started_now = [name for name in ours if not before[name].startswith("running")]
+    started_services = bool(started_now)
+    rt: Runtime | None = None
     try:
+        # (inside: a server started before the other failed to start is stopped again)
+        rt = make_runtime()
         if embedded_mode:
             how = "started now" if started_services else "already running"
-            say(f"  servers  embedded PostgreSQL + Redis under {_rel(s.home)} ({how})")
+            what = " + ".join(_SERVER_NAMES[name] for name in ours)
+            say(f"  servers  embedded {what} under {_rel(s.home)} ({how})")
         else:
             say("  servers  yours, from DATABASE_URL / REDIS_URL: the demo adds demo-* batches")
             say("           and publishes to the broker's payments queue; it flushes nothing")
@@ -252,12 +260,12 @@ def _run(
         say("  schema   at head (alembic upgrade head)")
         return _with_cluster(s, rt, opts, run_id, run_dir, console)
     finally:
-        rt.close()
+        if rt is not None:
+            rt.close()
         if started_services and not opts.keep_services:
-            embedded.stop(s.home)
-            say(
-                "  embedded servers stopped (they were not running before; any command starts them)"
-            )
+            embedded.stop(s.home, only=started_now)
+            what = " + ".join(_SERVER_NAMES[name] for name in started_now)
+            say(f"  embedded {what} stopped (not running before; any command starts it again)")
 
 
 def _with_cluster(

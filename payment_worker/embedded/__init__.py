@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+from collections.abc import Collection
 from pathlib import Path
 
 from payment_worker.embedded.errors import EmbeddedError, EmbeddedNotInstalled, missing_for
@@ -73,12 +74,21 @@ def status(home: Path) -> dict[str, str]:
     return out
 
 
-def stop(home: Path) -> list[str]:
-    """Stop the embedded servers under ``home``; returns what was stopped."""
+def stop(home: Path, only: Collection[str] = ("redis", "postgres")) -> list[str]:
+    """Stop the embedded servers under ``home`` (those named in ``only``); returns what was
+    stopped."""
     home = home.resolve()
     stopped: list[str] = []
     if not home.exists():
         return stopped
+    if "redis" in only:
+        _stop_redis(home, stopped)
+    if "postgres" in only:
+        _stop_postgres(home, stopped)
+    return stopped
+
+
+def _stop_redis(home: Path, stopped: list[str]) -> None:
     with file_lock(home, "redis"):
         rdir = redis_dir(home)
         pid = read_int(rdir / "redis.pid")
@@ -87,6 +97,9 @@ def stop(home: Path) -> list[str]:
             terminate(pid, signal.SIGTERM, "redis")
             stopped.append("redis")
         (rdir / "port").unlink(missing_ok=True)
+
+
+def _stop_postgres(home: Path, stopped: list[str]) -> None:
     with file_lock(home, "postgres"):
         pm = postmaster(home)
         if pm is not None:
@@ -97,4 +110,3 @@ def stop(home: Path) -> list[str]:
             with contextlib.suppress(OSError):  # the short socket folder, if empty now
                 pg_socket_dir(home).rmdir()
         pg_url_file(home).unlink(missing_ok=True)
-    return stopped

@@ -66,7 +66,8 @@ def pg_socket_dir(home: Path) -> Path:
 
 def pg_url(home: Path, database: str = DATABASE_NAME) -> str:
     host = quote(str(pg_socket_dir(home)), safe="/")
-    return f"postgresql://postgres@/{database}?host={host}"
+    # the port named: libpq would take a PGPORT from the environment (the socket's name)
+    return f"postgresql://postgres@/{database}?host={host}&port=5432"
 
 
 def postmaster(home: Path) -> tuple[int, str] | None:
@@ -215,7 +216,16 @@ def _initdb(home: Path, user: str | None) -> None:
     if user is not None:
         _prepare_root(scratch, user)
     _chown(scratch, user)
-    args = ["-D", str(scratch), "--auth=trust", "--auth-local=trust", "--encoding=utf8"]
+    # the C locale, not the caller's: a LANG the host lacks (a minimal image) or LC_CTYPE=UTF-8
+    # (forwarded over SSH from a Mac) made initdb refuse to run; C sorts as C.UTF-8 does
+    args = [
+        "-D",
+        str(scratch),
+        "--auth=trust",
+        "--auth-local=trust",
+        "--encoding=utf8",
+        "--locale=C",
+    ]
     _pg_command("initdb", [*args, "-U", "postgres"], user, timeout=120)
     os.replace(scratch, pgdata)
 
@@ -279,6 +289,9 @@ def _restart_postgres(home: Path, os_user: str) -> None:
         options = " ".join(
             [
                 "-h ''",  # no TCP listener: the unix socket is enough, and needs no port
+                # the socket's name carries the port: a PGPORT in the caller's environment
+                # would rename it, and the URL names 5432
+                "-p 5432",
                 f"-k {shlex.quote(str(sock_dir))}",
                 "-c unix_socket_permissions=0700",
                 # workers, beat, the exporter and test databases all connect at once

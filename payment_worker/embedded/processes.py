@@ -21,12 +21,19 @@ STOP_TIMEOUT = 30.0
 log = get_logger("embedded")
 
 
+# Linux: a process's state and working folder are read off /proc; elsewhere (macOS) a
+# live pid is judged by kill(0) alone
+_HAS_PROC = Path("/proc/self/stat").exists()
+
+
 def proc_state(pid: int) -> str | None:
     """The process's state letter (``R``, ``S``, ``Z``...), ``?`` if unknown, None if gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
-        return None
+        if _HAS_PROC:
+            return None
+        stat = ""  # no /proc at all: every pid looked dead
     except OSError:
         stat = ""
     if stat:

@@ -334,6 +334,27 @@ def test_services_stop_stops_both_and_data_survives(home: Path) -> None:
         assert conn.execute("SELECT count(*) FROM kept").fetchone() == (0,)
 
 
+def test_stop_can_leave_the_other_server_running(home: Path) -> None:
+    """The demo stops only the embedded servers it started (it stopped both, though one was
+    already running for other clients, or named by a URL: a review found it)."""
+    _start(home)
+    rpid, pgpid = _redis_pid(home), _postmaster_pid(home)
+    assert embedded.stop(home, only=["redis"]) == ["redis"]
+    assert not embedded.processes.pid_alive(rpid) and embedded.processes.pid_alive(pgpid)
+
+
+def test_a_hostile_environment_does_not_keep_postgres_from_starting(home: Path) -> None:
+    """A locale the host lacks and LC_CTYPE=UTF-8 (forwarded over SSH from a Mac) made
+    initdb refuse to run; a PGPORT renamed the server's socket away from the URL's. Both
+    from a review of the first run."""
+    proc = _cli(home, "services", "start", LANG="xx_XX.UTF-8", LC_CTYPE="UTF-8", PGPORT="6543")
+    assert proc.returncode == 0, proc.stderr
+    urls = _urls(proc.stdout)
+    with psycopg.connect(urls["postgres"]) as conn:
+        assert conn.execute("SHOW port").fetchone() == ("5432",)
+        assert conn.execute("SHOW server_encoding").fetchone() == ("UTF8",)
+
+
 def test_with_urls_set_nothing_embedded_is_started(pw_env: object, tmp_path: Path) -> None:
     home = tmp_path / "never-created"
     env_urls = {k: os.environ[k] for k in _URL_VARS}
