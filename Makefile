@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed-stamp
 # Exactly the locked versions (hashes checked), with the embedded servers, dev and bench
 # extras; then the project itself, editable, with no further dependency resolution.
 $(STAMP): pyproject.toml requirements/dev.lock
-	$(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "payment-worker needs Python 3.11 or newer; $(PYTHON) is " + sys.version.split()[0] + ": run make PYTHON=python3.11 (or newer)")'
+	$(PYTHON) -m venv $(VENV) || { echo "$(PYTHON) -m venv failed: on Debian and Ubuntu, install the python3-venv package" >&2; exit 1; }
 	$(BIN)/python -m pip install --quiet --require-hashes -r requirements/dev.lock
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
