@@ -265,7 +265,8 @@ def _run(
         if started_services and not opts.keep_services:
             embedded.stop(s.home, only=started_now)
             what = " + ".join(_SERVER_NAMES[name] for name in started_now)
-            say(f"  embedded {what} stopped (not running before; any command starts it again)")
+            them = "it" if len(started_now) == 1 else "them"
+            say(f"  embedded {what} stopped (not running before; any command starts {them} again)")
 
 
 def _with_cluster(
