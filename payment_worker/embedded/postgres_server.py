@@ -5,6 +5,7 @@ created when missing."""
 from __future__ import annotations
 
 import contextlib
+import grp
 import hashlib
 import os
 import pwd
@@ -25,6 +26,7 @@ from payment_worker.embedded.processes import (
     STOP_TIMEOUT,
     file_lock,
     log,
+    pid_exe,
     pid_works_in,
     processes_in,
     wait_dead,
@@ -129,7 +131,10 @@ def ensure_os_user(name: str) -> pwd.struct_passwd:
             "by root: no useradd here; create the user, set EMBEDDED_PG_OS_USER to an existing "
             "user, or set DATABASE_URL"
         )
-    cmd = [useradd, "--system", "--user-group", "--no-create-home", "--shell", "/bin/false", name]
+    # a group of that name already there (a user removed without its group): join it, since
+    # --user-group would refuse to make it again (exit 9, read below as "made meanwhile")
+    group = ["--gid", name] if _group_exists(name) else ["--user-group"]
+    cmd = [useradd, "--system", *group, "--no-create-home", "--shell", "/bin/false", name]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
     # 9: the name was taken meanwhile (another process created it): fine
     if proc.returncode not in (0, 9):
@@ -144,6 +149,14 @@ def ensure_os_user(name: str) -> pwd.struct_passwd:
         return pwd.getpwnam(name)
     except KeyError:
         raise EmbeddedError(f"useradd reported success but user {name!r} does not exist") from None
+
+
+def _group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
 
 
 def _prepare_root(pgdata: Path, user: str) -> None:
@@ -233,7 +246,12 @@ def _initdb(home: Path, user: str | None) -> None:
 def _clear_crashed_server(home: Path) -> None:
     """After a postmaster died: kill its orphaned children, drop its stale lock files."""
     pgdata = pgdata_dir(home)
-    orphans = processes_in(pgdata)
+    # PostgreSQL's own processes only (its binary): a shell or a pager someone left in
+    # pgdata (reading its log) is not an orphan to kill
+    # (a binary replaced since it started reads "<path> (deleted)")
+    binary = os.path.realpath(_pg_bin() / "postgres")
+    ours = (binary, f"{binary} (deleted)")
+    orphans = [pid for pid in processes_in(pgdata) if pid_exe(pid) in ours]
     for pid in orphans:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

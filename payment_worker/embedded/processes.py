@@ -73,6 +73,14 @@ def pid_works_in(pid: int, directory: Path) -> bool:
     return pid_cwd(pid) == os.path.realpath(directory)
 
 
+def pid_exe(pid: int) -> str | None:
+    """The process's executable (``/proc/<pid>/exe``), or None when it cannot be read."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
 def processes_in(directory: Path) -> list[int]:
     """Live processes (other than this one) whose working directory is ``directory``."""
     real = os.path.realpath(directory)

@@ -7,6 +7,7 @@ servers; the servers of other test sessions are never touched. Processes are rea
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import pwd
@@ -353,6 +354,31 @@ def test_a_hostile_environment_does_not_keep_postgres_from_starting(home: Path) 
     with psycopg.connect(urls["postgres"]) as conn:
         assert conn.execute("SHOW port").fetchone() == ("5432",)
         assert conn.execute("SHOW server_encoding").fetchone() == ("UTF8",)
+
+
+def test_a_start_kills_no_process_of_someone_reading_pgdata(home: Path) -> None:
+    """Each start clears a crashed server's orphans: every process whose working folder was
+    pgdata, a shell or a pager reading its log included (a review found it). PostgreSQL's
+    own processes only now."""
+    _start(home)
+    embedded.stop(home)
+    reader = subprocess.Popen(["sleep", "120"], cwd=home / "pgdata")
+    try:
+        _start(home)
+        assert reader.poll() is None, "the reader in pgdata was killed"
+    finally:
+        reader.kill()
+        reader.wait()
+
+
+def test_as_root_a_user_whose_group_is_left_over_is_created(
+    scratch: Path, fresh_os_user: str
+) -> None:
+    """A user removed without its group: useradd --user-group refused (exit 9) and the start
+    failed with "useradd reported success but user does not exist" (a review found it)."""
+    subprocess.run(["groupadd", "--system", fresh_os_user], check=True)
+    entry = embedded.postgres_server.ensure_os_user(fresh_os_user)
+    assert entry.pw_gid == grp.getgrnam(fresh_os_user).gr_gid
 
 
 def test_with_urls_set_nothing_embedded_is_started(pw_env: object, tmp_path: Path) -> None:
