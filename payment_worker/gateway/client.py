@@ -32,6 +32,8 @@ from redis.exceptions import RedisError
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.gateway.connection import Answer, GatewayConnection
 from payment_worker.gateway.outcomes import (
+    PACED,
+    REDIS_ERROR,
     GatewayResult,
     HeaderLookup,
     Outcome,
@@ -43,7 +45,6 @@ from payment_worker.gateway.outcomes import (
 )
 from payment_worker.gateway.pacing import Pacer, PaceResult
 from payment_worker.gateway.tokens import (
-    TOKEN_COOLING,
     TOKEN_PAUSED,
     TOKEN_WAIT_TIMEOUT,
     SentRequest,
@@ -318,13 +319,8 @@ class GatewayClient:
         for _ in range(2):
             try:
                 token = self.tokens.get(account_id, rejected=rejected)
-                cooling = token.retry_after if isinstance(token, GatewayResult) else None
-                if (
-                    isinstance(token, GatewayResult)
-                    and token.reason == TOKEN_COOLING
-                    and cooling is not None
-                    and cooling <= self._settings.gateway_pacing_max_wait
-                ):
+                cooling = self._cooldown_to_wait_out(token)
+                if cooling is not None:
                     # a 429's cooldown holds the token request back: waited out as a slot's
                     # would be (no slot taken: it is taken below, after the token), then
                     # the token asked again
@@ -339,11 +335,11 @@ class GatewayClient:
                 paced = self._pace(account_id, held)
             except RedisError as exc:
                 # the shared token or the pacing bucket is out of reach: nothing was sent
-                res = not_sent("redis_error", f"{type(exc).__name__}: {exc}")
+                res = not_sent(REDIS_ERROR, f"{type(exc).__name__}: {exc}")
                 return self._done(endpoint, account_id, res)
             if not paced.acquired:
                 res = not_sent(
-                    "paced",
+                    PACED,
                     f"account paced or cooling down for {paced.retry_after:.3f}s more",
                     retry_after=paced.retry_after,
                 )
@@ -360,6 +356,14 @@ class GatewayClient:
             rejected = token
         assert result is not None
         return self._done(endpoint, account_id, result)
+
+    def _cooldown_to_wait_out(self, token: str | GatewayResult) -> float | None:
+        """The seconds of a cooldown the token answer reports, when short enough to wait
+        for here (within GATEWAY_PACING_MAX_WAIT); else None."""
+        if not isinstance(token, GatewayResult) or token.reason != PACED:
+            return None
+        left = token.retry_after
+        return left if left is not None and left <= self._settings.gateway_pacing_max_wait else None
 
     def _pace(self, account_id: str, held: bool) -> PaceResult:
         """Wait for a slot of the account, at most GATEWAY_PACING_MAX_WAIT."""
@@ -502,7 +506,7 @@ def held_back(reason: str | None) -> str | None:
     ``payment_worker_gateway_not_sent_total``), or None for one the gateway caused and which
     is counted with its answers: a refused connection, and a token request the token
     endpoint refused or did not answer (a gateway outage must show in its error ratio)."""
-    if reason in ("paced", "redis_error"):
+    if reason in (PACED, REDIS_ERROR):
         return reason
     if reason in (TOKEN_PAUSED, TOKEN_WAIT_TIMEOUT):
         return "token"  # held back by this client: paused after failures, or waited too long

@@ -258,6 +258,13 @@ def client_error(exc: Exception) -> GatewayResult:
     return GatewayResult(Outcome.UNKNOWN, http_status=None, reason="client_error", error=text)
 
 
+#: the reason of a not-sent result held back by the account's pacing: its slot, or a 429's
+#: cooldown (a token request's included)
+PACED = "paced"
+#: the reason of a not-sent result whose shared state (token, pacing) Redis could not give
+REDIS_ERROR = "redis_error"
+
+
 def not_sent(reason: str, error: str, retry_after: float | None = None) -> GatewayResult:
     """A request the client did not send (no token, pacing wait too long, Redis down): safe to
     retry, and it uses up no attempt."""

@@ -37,6 +37,7 @@ import redis
 
 from payment_worker import lua
 from payment_worker.gateway.outcomes import (
+    PACED,
     GatewayResult,
     classify_transport_error,
     not_sent,
@@ -63,9 +64,6 @@ _PAUSE_MAX = 30.0
 #: the reason of a result returned during such a pause (its error names the failure)
 TOKEN_PAUSED = "token_paused"
 TOKEN_WAIT_TIMEOUT = "token_wait_timeout"
-#: the reason of a result returned while a 429's cooldown holds the token request back (the
-#: pacer's own reason: the caller may wait for it as for a slot)
-TOKEN_COOLING = "paced"
 
 # read the token and take the refresh lock in one step; store a token (and release the lock)
 # only while holding it; release the lock when nothing was stored. All owner-checked.
@@ -334,7 +332,7 @@ class TokenManager:
             if verdict == "cooling":
                 # a 429 closed the account for every process: its token request waits too
                 return not_sent(
-                    TOKEN_COOLING,
+                    PACED,
                     f"account cooling down for {cooling_ms / 1000:.3f}s more (no token "
                     "request before then)",
                     retry_after=cooling_ms / 1000,

@@ -439,27 +439,25 @@ def _messages_on_their_way(
     for acct, mark, due, lock in zip(
         account_ids, answers[::3], answers[1::3], answers[2::3], strict=True
     ):
-        if _recent(mark, now_ms, horizon_ms) or _due_lately(due, now_ms, horizon_ms):
+        if _recent(mark, now_ms, horizon_ms) or _recent(
+            due, now_ms, horizon_ms, ahead_ms=SCHEDULED_AHEAD_MS
+        ):
             on_its_way.add(acct)
         elif lock is not None:
             taken.add(acct)
     return on_its_way, taken
 
 
-def _recent(stamp: bytes | None, now_ms: int, horizon_ms: int) -> bool:
-    """A mark's ms (server clock) less than ``horizon_ms`` ago (or ahead)."""
-    return stamp is not None and stamp.isdigit() and now_ms - int(stamp) < horizon_ms
-
-
 # a delayed message due this much ahead still counts as on its way (its task may start a
-# moment early: clocks, a countdown rounded)
+# moment early: clocks, a countdown rounded); one due later does not: the account's due
+# work is other work then (a lost message), not the retry it waits for
 SCHEDULED_AHEAD_MS = 1_000
 
 
-def _due_lately(due: bytes | None, now_ms: int, horizon_ms: int) -> bool:
-    """A delayed message's due time (server clock) less than ``horizon_ms`` ago, or just
-    ahead. One due later does not count: the account's due work is other work then (a lost
-    message), not the retry it waits for."""
-    if due is None or not due.isdigit():
+def _recent(stamp: bytes | None, now_ms: int, horizon_ms: int, ahead_ms: int | None = None) -> bool:
+    """A mark's or a due time's ms (server clock) less than ``horizon_ms`` ago; ahead of
+    now by any amount, or with ``ahead_ms`` by at most that."""
+    if stamp is None or not stamp.isdigit():
         return False
-    return -SCHEDULED_AHEAD_MS <= now_ms - int(due) < horizon_ms
+    age = now_ms - int(stamp)
+    return age < horizon_ms and (ahead_ms is None or age >= -ahead_ms)
