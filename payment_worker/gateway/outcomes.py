@@ -180,13 +180,34 @@ def is_payment_body(body: dict[str, Any]) -> bool:
     return isinstance(payment_id, str) and bool(payment_id) and body.get("status") == "succeeded"
 
 
+# Create answers that say "nothing applied" or "final", trusted only with the protocol's
+# body: the same status from a proxy or a load balancer (an HTML 503 after the request was
+# forwarded, a stray 400) proves nothing, so the payment may have been made.
+_PROTOCOL_ERRORS: dict[int, str | None] = {
+    400: None,  # {"error": "invalid_request", ...}; any error text is the gateway's
+    402: "declined",
+    503: None,
+}
+
+
+def _is_protocol_error(status: int, body: dict[str, Any]) -> bool:
+    """Whether ``body`` is the protocol's error body for ``status`` (see _PROTOCOL_ERRORS)."""
+    error = body.get("error")
+    expected = _PROTOCOL_ERRORS[status]
+    return isinstance(error, str) and bool(error) and expected in (None, error)
+
+
 def classify_create(status: int, headers: HeaderLookup, content: bytes) -> GatewayResult:
     """Classify the answer to a create-payment request."""
     body = _json_body(content)
     outcome = CREATE_TABLE.get(status, Outcome.UNKNOWN)
-    if outcome is Outcome.SUCCEEDED and not is_payment_body(body):
-        outcome = Outcome.UNKNOWN
-    return _result(outcome, status, headers, body, content)
+    # a success without a payment body, a "nothing applied" without the gateway's body
+    unproven = (
+        not is_payment_body(body)
+        if outcome is Outcome.SUCCEEDED
+        else status in _PROTOCOL_ERRORS and not _is_protocol_error(status, body)
+    )
+    return _result(Outcome.UNKNOWN if unproven else outcome, status, headers, body, content)
 
 
 def classify_lookup(status: int, headers: HeaderLookup, content: bytes) -> GatewayResult:

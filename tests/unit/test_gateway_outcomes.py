@@ -155,6 +155,26 @@ def test_create_5xx_row(status: int, outcome: Outcome) -> None:
     assert (r.outcome, r.error_class) == (outcome, f"http_{status}")
 
 
+@pytest.mark.parametrize(
+    ("status", "content"),
+    [
+        (503, b"<html>upstream connect error or disconnect/reset before headers</html>"),
+        (503, b""),
+        (503, _b({"message": "no error field"})),
+        (400, b"Bad Request"),
+        (400, _b({"error": ""})),
+        (402, b""),
+        (402, _b({"error": "payment_required"})),  # not the protocol's decline
+    ],
+)
+def test_a_not_applied_or_final_status_without_the_protocol_body_is_maybe_sent(
+    status: int, content: bytes
+) -> None:
+    # a proxy's answer may come after the request was forwarded: it proves nothing
+    r = classify_create(status, _h(), content)
+    assert (r.outcome, r.http_status, r.sent) == (Outcome.UNKNOWN, status, True)
+
+
 def test_create_504_without_body_is_unknown() -> None:
     r = classify_create(504, _h(), b"")
     assert (r.outcome, r.http_status) == (Outcome.UNKNOWN, 504)
