@@ -69,6 +69,8 @@ class Row:
     fingerprint_ok: bool = True
     dispatched_at: float | None = None
     doubt_since: float | None = None
+    first_doubt_at: float | None = None  # never cleared (db.work: first_doubt_at)
+    key_status: str | None = None
     beneficiary: dict[str, Any] = field(
         default_factory=lambda: {"bank_code": "014", "account_number": "1", "name": "B"}
     )
@@ -160,6 +162,10 @@ class FakeStore:
             elif r.status is TxStatus.DISPATCHING:
                 r.status = TxStatus.UNKNOWN  # a crashed holder's: maybe sent
                 r.doubt_since = r.doubt_since or r.dispatched_at or 0.0
+            elif r.doubt_since is None:
+                r.doubt_since = now  # a replayed item claimed for a lookup
+            if r.first_doubt_at is None and r.status is TxStatus.UNKNOWN:
+                r.first_doubt_at = r.doubt_since
             r.dispatched_at = now
             req = r.request()
             claimed.append(
@@ -178,6 +184,8 @@ class FakeStore:
                     lookups=r.lookups,
                     request_fingerprint=req.fingerprint() if r.fingerprint_ok else "changed",
                     doubt_age=None if r.doubt_since is None else now - r.doubt_since,
+                    first_doubt_age=None if r.first_doubt_at is None else now - r.first_doubt_at,
+                    key_status=r.key_status,
                 )
             )
         return claimed
@@ -198,6 +206,8 @@ class FakeStore:
                 r.doubt_since = r.dispatched_at
             elif d.doubt is Doubt.CLEAR:
                 r.doubt_since = None
+            key = d.key_status or ("sent" if o.reached else None)
+            r.key_status = str(key) if key else r.key_status
             r.due_at = self.clock() + max(d.delay, 0.0)
             r.payment_id = d.payment_id or r.payment_id
             r.error_class = d.error_class

@@ -40,9 +40,12 @@ _REPLAYABLE = ", ".join(f"'{r}'" for r in REPLAYABLE_REASONS)
 # the trust clears doubt_since and the item goes on under its key; if it then died (attempts
 # used up), its row reads "never in doubt" though it was, and a send of it may still have
 # been applied (a paused holder's that left late) and be forgotten by the gateway past its
-# retention. So an item ever looked up is dated from its creation, as migration 0008 did for
-# the rows it found: past the trust, a person decides.
-DOUBT_SINCE = "COALESCE(t.doubt_since, CASE WHEN t.lookups > 0 THEN t.created_at END)"
+# retention. So its first send ever in doubt counts (first_doubt_at, kept since migration
+# 0009); an item ever looked up without that date is dated from its creation, as migration
+# 0008 did for the rows it found: past the trust, a person decides.
+DOUBT_SINCE = (
+    "COALESCE(t.first_doubt_at, t.doubt_since, CASE WHEN t.lookups > 0 THEN t.created_at END)"
+)
 
 # how a dead letter's state is computed (see the module docstring); ``t`` is its transaction
 _STATE = """CASE WHEN d.resolved_at IS NOT NULL THEN 'resolved'

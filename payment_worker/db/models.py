@@ -112,6 +112,9 @@ transactions = Table(
     # the first step since the last request left that ended with nothing reaching the
     # gateway (such a step uses up no attempt); NULL once one leaves and on terminal rows
     Column("unsent_since", DateTime(timezone=True)),
+    # the first send ever in doubt, never cleared (a 404 clears doubt_since, but that send
+    # may still land after it): past the key trust nothing is sent any more (0009)
+    Column("first_doubt_at", DateTime(timezone=True)),
     UniqueConstraint("account_id", "transaction_id", name="transactions_account_tx_key"),
     CheckConstraint("amount > 0", name="transactions_amount_check"),
     CheckConstraint(_in("status", TxStatus), name="transactions_status_check"),

@@ -54,6 +54,11 @@ class ClaimedItem:
     request_fingerprint: str | None
     # seconds since the oldest send in doubt (database clock); None when nothing is in doubt
     doubt_age: float | None = None
+    # seconds since the first send of it that was ever in doubt, even if a 404 cleared that
+    # doubt since (database clock); None when none was
+    first_doubt_age: float | None = None
+    # its idempotency key's status (``KeyStatus``): "conflict" after a 422 not yet decided
+    key_status: str | None = None
 
 
 class Claim(list[ClaimedItem]):
@@ -113,13 +118,23 @@ claimed AS (
                            THEN COALESCE(t.doubt_since, t.dispatched_at, t.created_at)
                            WHEN pick.prev = 'unknown' THEN COALESCE(t.doubt_since, now())
                            ELSE t.doubt_since END,
+        -- the first send ever in doubt, dated for good: a 404 clears doubt_since, but that
+        -- send may still land after it (see domain.transitions.too_late_to_send). Every
+        -- doubt is claimed for a lookup before one can clear it: the claim dates it
+        first_doubt_at = CASE WHEN pick.prev = 'dispatching'
+                              THEN COALESCE(t.first_doubt_at, t.doubt_since, t.dispatched_at,
+                                            t.created_at)
+                              WHEN pick.prev = 'unknown'
+                              THEN COALESCE(t.first_doubt_at, t.doubt_since, now())
+                              ELSE t.first_doubt_at END,
         dispatched_at = now(),
         fence_token = (SELECT fence_token FROM fence),
         updated_at = now()
     FROM pick WHERE t.id = pick.id
     RETURNING t.id, t.batch_pk, t.account_id, t.transaction_id, t.amount, t.currency,
               t.beneficiary, t.description, t.idempotency_key, t.status, t.attempts, t.lookups,
-              EXTRACT(EPOCH FROM now() - t.doubt_since)::float8 AS doubt_age
+              EXTRACT(EPOCH FROM now() - t.doubt_since)::float8 AS doubt_age,
+              EXTRACT(EPOCH FROM now() - t.first_doubt_at)::float8 AS first_doubt_age
 ),
 started AS (
     -- the account's condition bounds the read of batches whatever the statistics (on
@@ -132,7 +147,8 @@ started AS (
 # the claim's answer: its rows (one even when nothing was claimed, so the fence verdict
 # needs no second query); ``{extra}``: more columns, for a statement that does more
 _CLAIM_SELECT = """
-SELECT claimed.*, k.request_fingerprint, f.fenced_ok, f.token, m.more_due{extra}
+SELECT claimed.*, k.request_fingerprint, k.status AS key_status, f.fenced_ok, f.token,
+       m.more_due{extra}
 FROM (SELECT count(*) AS fenced_ok, max(fence_token) AS token FROM fence) f
 CROSS JOIN (SELECT count(*) > :n AS more_due FROM due) m
 LEFT JOIN claimed ON true
@@ -184,6 +200,8 @@ def _claim_of(rows: Sequence[Mapping[str, Any]], token: int) -> Claim:
             lookups=r["lookups"],
             request_fingerprint=r["request_fingerprint"],
             doubt_age=r["doubt_age"],
+            first_doubt_age=r["first_doubt_age"],
+            key_status=r["key_status"],
         )
         for r in rows
         if r["id"] is not None

@@ -40,6 +40,9 @@ class KeyStatus(StrEnum):
     DECLINED = "declined"
     REJECTED = "rejected"
     NOT_APPLIED = "not_applied"
+    # a 422: the gateway held another body under the key, and no lookup has told what yet.
+    # Kept until a final answer: a 404 after it is a conflict for a person, never a resend
+    CONFLICT = "conflict"
 
 
 class DeadReason(StrEnum):

@@ -18,7 +18,7 @@ time, until :attr:`Policy.in_doubt_max`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from payment_worker.domain.payment_request import PaymentRequest
@@ -263,7 +263,9 @@ def after_conflict(
     The gateway holds an answer under this key. A stored 201 of this very transaction
     (same transaction id, amount, currency) is our payment; a stored 402 is a decline;
     anything else stored is a conflict a person must look at. No final answer yet: still in
-    doubt (the 422 says something is stored), looked up again later.
+    doubt (the 422 says something is stored), looked up again later, and its key marked
+    ``conflict``, so that every later lookup of it is judged here too: a 404 after a 422
+    means the gateway forgot what it held (a payment, maybe), never "send again".
     """
     # after a 422 ours must be proven: every field present, none naming another payment
     stored = found.stored or {}
@@ -274,10 +276,32 @@ def after_conflict(
     if final is not None and (found.outcome is Outcome.DECLINED or ours):
         return final
     if final is None and found.outcome is not Outcome.NOT_FOUND:
-        return _still_in_doubt(
+        d = _still_in_doubt(
             found, lookups=lookups, doubt_age=doubt_age, policy=policy, doubt=Doubt.SINCE_DISPATCH
         )
+        return d if d.terminal else replace(d, key_status=KeyStatus.CONFLICT)
     return _key_conflict(found, "422 idempotency_key_reused", Doubt.SINCE_DISPATCH)
+
+
+def too_late_to_send(first_doubt_age: float | None, policy: Policy) -> Decision | None:
+    """A person's decision instead of a send, once the item's first send ever in doubt is
+    older than the key trust (``first_doubt_age``, seconds; None: none was), else None.
+
+    A lookup's 404 clears the doubt of the sends before it, but one of them may still land
+    after it (a paused holder's); past the gateway's retention the key that would catch a
+    resend is forgotten, and the resend pays a second time. Sends that were all answered
+    "nothing applied" (503, 429, refused) were never in doubt: such an item is sent at
+    any age."""
+    if first_doubt_age is None or first_doubt_age < policy.key_trust:
+        return None
+    return Decision(
+        TxStatus.DEAD,
+        error_class="doubt_past_key_trust",
+        error=f"a send of it was in doubt {first_doubt_age:.0f}s ago: the gateway may have "
+        "forgotten the key, and a send now could pay a second time: check with the gateway, "
+        "resolve by hand",
+        dead_reason=DeadReason.IN_DOUBT_KEY_EXPIRED,
+    )
 
 
 def _names_another_payment(stored: dict[str, object] | None, request: PaymentRequest) -> bool:

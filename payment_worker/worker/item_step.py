@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from payment_worker.db.work import ClaimedItem
 from payment_worker.domain.payment_request import PaymentRequest
-from payment_worker.domain.statuses import DeadReason, TxStatus
+from payment_worker.domain.statuses import DeadReason, KeyStatus, TxStatus
 from payment_worker.domain.transitions import (
     Decision,
     ItemOutcome,
@@ -17,6 +17,7 @@ from payment_worker.domain.transitions import (
     after_conflict,
     after_lookup,
     after_send,
+    too_late_to_send,
 )
 from payment_worker.gateway.outcomes import Outcome
 from payment_worker.ops.logging import get_logger
@@ -68,18 +69,30 @@ def step_item(gateway: Gateway, policy: Policy, guard: Guard, item: ClaimedItem)
             doubt_age=item.doubt_age,
             lookups=lookups,
         )
-        d = after_lookup(
-            found,
-            attempts=attempts,
-            lookups=lookups,
-            doubt_age=item.doubt_age,
-            policy=policy,
-            request=request,
-        )
+        if item.key_status == KeyStatus.CONFLICT:
+            # a 422's item: the gateway held another body under the key; a 404 now means
+            # it forgot what it held, and is for a person
+            d = after_conflict(
+                found, request, lookups=lookups, doubt_age=item.doubt_age, policy=policy
+            )
+        else:
+            d = after_lookup(
+                found,
+                attempts=attempts,
+                lookups=lookups,
+                doubt_age=item.doubt_age,
+                policy=policy,
+                request=request,
+            )
         if not d.send_now:
             return ItemOutcome(item.id, attempts, lookups, d, reached)
         cleared = True
         attempts += 1  # never applied: send again under the same key
+    late = too_late_to_send(item.first_doubt_age, policy)
+    if late is not None:
+        # nothing leaves: the attempt counted for this send (at the claim, or above) is
+        # given back
+        return ItemOutcome(item.id, attempts - 1, lookups, late, reached)
     result = gateway.create_payment(
         item.account_id, request, item.idempotency_key, guard=guard, held=True
     )

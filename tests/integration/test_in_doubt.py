@@ -249,6 +249,31 @@ def test_a_conflict_whose_first_lookup_failed_is_still_caught(
     assert ledger["payments_sent"] == 1 and ledger["double_payments"] == []
 
 
+def test_a_conflict_the_gateway_forgot_before_a_lookup_got_through_is_never_resent(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    """The gateway holds another body of the item's transaction under its key (paid); the
+    create answers 422 and the lookups after it get 503, until the gateway forgets the key
+    (its retention here 3 s, well short of what the worker trusts). Before, the 404 that
+    followed was read as "never applied" and the item sent: the transaction paid twice (a
+    review found it). Now the key is remembered as in conflict, and a person decides."""
+    with _world(pw_env, tmp_path, {"key_retention_seconds": 3}) as (sim, _):
+        b = _batch("k422-forgot")
+        item = b["items"][0]
+        other = PaymentRequest(ACCT, item["transaction_id"], 1, "IDR", BENEFICIARY)
+        assert _pre_send(sim, other).http_status == 201
+        # more 503s than fit in the retention (each lookup waits up to LOOKUP_MAX_DELAY)
+        sim.script(ACCT, *[{"fault": "503", "endpoint": "lookup"}] * 12)
+        _submit(b)
+        rows = _settle("k422-forgot", timeout=60)
+        ledger = sim.ledger()
+        creates = sim.statuses(ACCT, "create")
+        lookups = sim.statuses(ACCT, "lookup")
+    assert creates == [201, 422] and lookups[-1] == 404, (creates, lookups)
+    assert [s for s, _ in rows.values()] == ["dead"] and _dead_reasons() == ["key_conflict"]
+    assert ledger["payments_sent"] == 1 and ledger["double_payments"] == []
+
+
 def test_an_html_200_is_looked_up_not_believed(pw_env: PwEnv, tmp_path: Path) -> None:
     with _world(pw_env, tmp_path, {}) as (sim, _):
         sim.script(ACCT, {"fault": "html_200", "endpoint": "create"})

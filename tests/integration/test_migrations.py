@@ -18,7 +18,7 @@ def _tables(conn: psycopg.Connection) -> set[str]:  # type: ignore[type-arg]
 
 
 EXPECTED = {"batches", "transactions", "idempotency_keys", "account_fences", "dead_letters"}
-_HEAD = "0008"
+_HEAD = "0009"
 
 
 def test_upgrade_twice_then_downgrade_and_up(pw_env: PwEnv, db_conn: psycopg.Connection) -> None:  # type: ignore[type-arg]
@@ -163,6 +163,57 @@ def test_0008_dates_the_doubt_of_dead_items_that_were_ever_looked_up(
         "never": (None, True),
         "paid": (None, True),
     }
+
+
+def test_0009_dates_the_first_doubt_of_open_items_and_allows_a_key_in_conflict(
+    pw_env: PwEnv,
+    db_conn: psycopg.Connection,  # type: ignore[type-arg]
+) -> None:
+    """0009 keeps the first send ever in doubt (a 404 clears doubt_since, but that send may
+    land after it): an open item in doubt is dated from its doubt, one ever looked up whose
+    doubt a 404 cleared from its creation; one never in doubt stays undated. Its down
+    migration turns a key "conflict" into "sent" (maybe applied)."""
+    url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    migrate.downgrade(url, "0008")
+    db_conn.execute(
+        "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
+        " VALUES ('mig9', 'acct-mig9', 'fp', 'processing', 4)"
+    )
+    for tx, status, lookups, doubt in (
+        ("in-doubt", "unknown", 1, "1 hour"),
+        ("cleared", "retryable", 2, None),
+        ("never", "retryable", 0, None),
+        ("done", "succeeded", 1, None),
+    ):
+        db_conn.execute(
+            "INSERT INTO transactions (batch_pk, account_id, transaction_id, amount, currency,"
+            " beneficiary, idempotency_key, status, attempts, lookups, created_at, doubt_since)"
+            " SELECT id, 'acct-mig9', %(tx)s, 100, 'IDR', '{}', 'k-' || %(tx)s, %(status)s,"
+            "  1, %(lookups)s, now() - interval '3 days', now() - CAST(%(doubt)s AS interval)"
+            " FROM batches WHERE batch_id = 'mig9'",
+            {"tx": tx, "status": status, "lookups": lookups, "doubt": doubt},
+        )
+    migrate.upgrade(url)
+    rows = db_conn.execute(
+        "SELECT transaction_id, first_doubt_at = doubt_since, first_doubt_at = created_at,"
+        " first_doubt_at IS NULL"
+        " FROM transactions WHERE batch_pk = (SELECT id FROM batches WHERE batch_id = 'mig9')"
+    ).fetchall()
+    assert {r[0]: tuple(r[1:]) for r in rows} == {
+        "in-doubt": (True, False, False),
+        "cleared": (None, True, False),
+        "never": (None, None, True),
+        "done": (None, None, True),  # a terminal row: a replay dates it (DOUBT_SINCE)
+    }
+    db_conn.execute(
+        "INSERT INTO idempotency_keys (key, transaction_pk, request_fingerprint, status)"
+        " SELECT idempotency_key, id, 'fp', 'conflict' FROM transactions"
+        " WHERE transaction_id = 'in-doubt'"
+    )
+    migrate.downgrade(url, "0008")
+    status = db_conn.execute("SELECT status FROM idempotency_keys WHERE key = 'k-in-doubt'")
+    assert status.fetchone() == ("sent",)
+    migrate.upgrade(url)
 
 
 def test_two_upgrades_at_once_take_turns(pw_env: PwEnv, db_conn: psycopg.Connection) -> None:  # type: ignore[type-arg]

@@ -381,6 +381,48 @@ def test_a_resend_after_a_404_that_is_lost_again_is_in_doubt_from_that_step(w: W
     assert row.doubt_since == row.dispatched_at and w.clock() - row.doubt_since < 1.0
 
 
+def test_a_send_once_in_doubt_past_the_key_trust_is_never_followed_by_another(
+    w: World,
+) -> None:
+    """A 404 cleared the item's doubt and it was sent again, in vain (refused); but the send
+    that was in doubt may have landed after that 404, and the gateway may have forgotten its
+    key since: the next send could pay a second time. A person decides, nothing is sent."""
+    [row] = w.store.add(ACCT, 1, 1, status=TxStatus.RETRYABLE, attempts=2)
+    row.first_doubt_at = w.clock() - 80_000.0
+    w.run()
+    assert w.gateway.calls == []
+    assert (row.status, w.store.dead_letters) == (TxStatus.DEAD, [(row.id, "in_doubt_key_expired")])
+    assert row.attempts == 2
+
+
+def test_a_404_within_the_trust_of_the_last_doubt_but_not_of_the_first_never_sends(
+    w: World,
+) -> None:
+    [row] = w.store.add(ACCT, 1, 1, status=TxStatus.UNKNOWN, attempts=2)
+    row.doubt_since, row.first_doubt_at = w.clock() - 70_000.0, w.clock() - 80_000.0
+    w.run()
+    assert w.gateway.calls == [("lookup", row.key)]
+    assert (row.status, w.store.dead_letters) == (TxStatus.DEAD, [(row.id, "in_doubt_key_expired")])
+
+
+def test_a_404_after_a_422_whose_lookup_got_no_answer_is_a_key_conflict(w: World) -> None:
+    """The gateway held another body under the item's key (422); the lookup right after got
+    no answer, so the item was only in doubt. When the gateway then forgot the key, the 404
+    was read as "never applied" and the item sent: what the gateway held may have been a
+    payment of this very transaction (a review found it). Now a person decides."""
+    [row] = w.store.add(ACCT, 1, 1)
+    w.gateway.script[row.key].append(answer(Outcome.CONFLICT, 422))
+    w.gateway.lookup_script[row.key].extend(
+        [answer(Outcome.RETRY, 503), answer(Outcome.NOT_FOUND, 404)]
+    )
+    w.hold_wait = 0.0  # stop after the step, to look at the row
+    w.run()
+    assert (row.status, row.key_status) == (TxStatus.UNKNOWN, "conflict")
+    w.run_until_settled()
+    assert (row.status, w.store.dead_letters) == (TxStatus.DEAD, [(row.id, "key_conflict")])
+    assert w.gateway.sends(row.key) == 1
+
+
 def test_sends_that_were_never_in_doubt_are_sent_again_whenever(w: World) -> None:
     [row] = w.store.add(ACCT, 1, 1)
     w.max_attempts = 100

@@ -33,6 +33,7 @@ def test_values_are_the_stored_strings() -> None:
         "declined",
         "rejected",
         "not_applied",
+        "conflict",
     ]
     assert [s.value for s in DeadReason] == [
         "retries_exhausted",

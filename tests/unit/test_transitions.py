@@ -15,6 +15,7 @@ from payment_worker.domain.transitions import (
     after_conflict,
     after_lookup,
     after_send,
+    too_late_to_send,
 )
 from payment_worker.gateway.outcomes import GatewayResult, Outcome
 
@@ -186,7 +187,40 @@ def test_conflict_with_a_stored_decline_is_failed() -> None:
 
 def test_conflict_whose_lookup_has_no_answer_stays_in_doubt() -> None:
     d = after_conflict(r(Outcome.IN_FLIGHT, 409), REQ, lookups=1, doubt_age=5.0, policy=POLICY)
-    assert (d.status, d.doubt) == (TxStatus.UNKNOWN, Doubt.SINCE_DISPATCH)
+    # its key remembered as in conflict: every later lookup is judged by after_conflict
+    assert (d.status, d.doubt, d.key_status) == (
+        TxStatus.UNKNOWN,
+        Doubt.SINCE_DISPATCH,
+        KeyStatus.CONFLICT,
+    )
+
+
+def test_a_404_after_a_conflict_is_for_a_person_never_a_resend() -> None:
+    # the gateway held another body under the key, and forgot it since: what it held may
+    # have been a payment of this very transaction
+    d = after_conflict(r(Outcome.NOT_FOUND, 404), REQ, lookups=3, doubt_age=60.0, policy=POLICY)
+    assert (d.status, d.send_now, d.dead_reason) == (TxStatus.DEAD, False, "key_conflict")
+
+
+def test_a_conflict_in_doubt_past_the_in_doubt_bound_is_dead_not_marked() -> None:
+    d = after_conflict(r(Outcome.RETRY, 503), REQ, lookups=9, doubt_age=3600.0, policy=POLICY)
+    assert (d.status, d.dead_reason, d.key_status) == (TxStatus.DEAD, "unknown_unresolved", None)
+
+
+@pytest.mark.parametrize(("age", "late"), [(None, False), (0.0, False), (77759.0, False)])
+def test_an_item_never_in_doubt_or_within_the_key_trust_may_be_sent(
+    age: float | None, late: bool
+) -> None:
+    assert (too_late_to_send(age, POLICY) is not None) is late
+
+
+def test_an_item_once_in_doubt_past_the_key_trust_is_never_sent_again() -> None:
+    # a 404 cleared that doubt, but the send in doubt may have landed after it, and the
+    # gateway may have forgotten its key since
+    d = too_late_to_send(77760.0, POLICY)
+    assert d is not None
+    # a replay refuses it too: the dlq commands date its doubt from that first one
+    assert (d.status, d.dead_reason, d.send_now) == (TxStatus.DEAD, "in_doubt_key_expired", False)
 
 
 def test_backoff_is_full_jitter_capped() -> None:
