@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 from psycopg import errors as pg_errors
 from redis.exceptions import RedisError
@@ -108,6 +110,15 @@ def guarded(body: Callable[[], int]) -> int:
         closed_output()
         print("payment-worker: the output was closed; stopped", file=sys.stderr)
         return 1
+
+
+def json_text(value: object, out: TextIO | None = None, default: Any = None) -> str:
+    """``value`` as JSON for ``out`` (stdout by default): its text as is where ``out`` takes
+    UTF-8, escaped (``\\u8d26``, the same JSON value) where it does not, so that a batch id
+    in another script never ends a command with a traceback after its batch was saved."""
+    stream = sys.stdout if out is None else out
+    encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+    return json.dumps(value, ensure_ascii=encoding != "utf8", default=default)
 
 
 def closed_output() -> None:

@@ -30,7 +30,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from payment_worker import embedded, runtime
-from payment_worker.cli.common import database_error
+from payment_worker.cli.common import database_error, json_text
 from payment_worker.db import dead_letters as store
 from payment_worker.domain.statuses import DeadReason
 from payment_worker.errors import PaymentWorkerError
@@ -219,7 +219,7 @@ def list_cmd(
             conn, state=state, reason=reason, account_id=account, since_seconds=since_s
         )
     if as_json:
-        click.echo(json.dumps([_row_json(d) for d in rows], ensure_ascii=False, default=str))
+        click.echo(json_text([_row_json(d) for d in rows], default=str))
         return
     headers = ("ID", "ACCOUNT", "TRANSACTION", "REASON", "ATTEMPTS", "AGE", "BENEFICIARY")
     cells = []
@@ -279,7 +279,7 @@ def show_cmd(ctx: click.Context, dead_letter_id: str, as_json: bool) -> None:
     out = _row_json(d)
     out["replay_would"] = would
     if as_json:
-        click.echo(json.dumps(out, ensure_ascii=False, default=str))
+        click.echo(json_text(out, default=str))
         return
     r = d.row
     payload = r["payload"] or {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from collections import Counter
 from collections.abc import Iterable
@@ -23,7 +22,7 @@ from typing import TextIO
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from payment_worker.cli.common import Context, closed_output, database_error
+from payment_worker.cli.common import Context, closed_output, database_error, json_text
 from payment_worker.domain.statuses import TxStatus
 from payment_worker.producer.status import BatchStatus, item_json, shown_error, stream_batches
 
@@ -36,15 +35,15 @@ def write_json(batches: Iterable[BatchStatus], out: TextIO) -> list[str]:
     out.write("[")
     for n, batch in enumerate(batches):
         seen.append(batch.batch_id)
-        opening = json.dumps(
+        opening = json_text(
             {"batch_id": batch.batch_id, "account_id": batch.account_id, "status": batch.status},
-            ensure_ascii=False,
+            out,
         )
         # the batch object without its closing brace, then its items one by one
         out.write(("\n" if n == 0 else ",\n") + opening[:-1] + ', "items": [')
         sep = "\n  "
         for row in batch.items:
-            out.write(sep + json.dumps(item_json(row), ensure_ascii=False))
+            out.write(sep + json_text(item_json(row), out))
             sep = ",\n  "
         out.write("\n]}" if sep != "\n  " else "]}")
     out.write("\n]\n" if seen else "]\n")

@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from payment_worker.cli.common import Context, closed_output, database_error
+from payment_worker.cli.common import Context, closed_output, database_error, json_text
 from payment_worker.domain import batch_schema as schemas
 from payment_worker.errors import PaymentWorkerError
 
@@ -136,7 +136,7 @@ def submit(args: argparse.Namespace, ctx: Context) -> int:
         if result.status == "rejected":
             rc = 2
         try:
-            print(json.dumps(result.to_json(), ensure_ascii=False), flush=True)
+            print(json_text(result.to_json()), flush=True)
         except BrokenPipeError:
             closed_output()
             print(

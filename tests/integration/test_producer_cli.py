@@ -323,3 +323,20 @@ def test_a_closed_output_stops_with_one_line_naming_the_last_batch(
     # that batch and every one before it were saved; none after it was tried
     saved = [r[0] for r in db_conn.execute("SELECT batch_id FROM batches ORDER BY batch_id")]
     assert saved == [f"p-{i:03d}" for i in range(int(last[2:]) + 1)]
+
+
+def test_a_batch_id_the_output_cannot_encode_is_written_escaped_not_a_traceback(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    """stdout in Latin-1 (a locale or PYTHONIOENCODING) and a batch id in Chinese: before,
+    the answer line raised UnicodeEncodeError after the batch was saved and enqueued (a
+    traceback, no line, the batches after it not tried; a review found it). Now the line is
+    the same JSON value with its text escaped."""
+    batch = make_batch("账户-1", tx="cjk")
+    proc = submit(["-"], stdin=json.dumps(batch), env={"PYTHONIOENCODING": "latin-1"})
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "\\u8d26" in proc.stdout
+    assert lines(proc.stdout) == [
+        {"batch_id": "账户-1", "status": "accepted", "items": 3, "errors": []}
+    ]
+    assert counts(db_conn) == (1, 3, 3)
