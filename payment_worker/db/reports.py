@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from psycopg import errors as pg_errors
 from sqlalchemy import Connection, text
+from sqlalchemy.exc import OperationalError
 
-from payment_worker.db.models import OPEN_TX_PREDICATE
-from payment_worker.domain.statuses import TxStatus
+from payment_worker.db.models import OPEN_TX_PREDICATE, sql_values
+from payment_worker.domain.statuses import TERMINAL_TX_STATUSES, BatchStatus, TxStatus
 
 _TX_COUNTS_OF_BATCHES = text(
     "SELECT t.status, count(*) FROM transactions t JOIN batches b ON b.id = t.batch_pk "
@@ -29,8 +31,24 @@ _TX_STATUSES_OF_BATCHES = text(
     "JOIN batches b ON b.id = t.batch_pk WHERE b.batch_id = ANY(:ids)"
 )
 
-_TX_BY_STATUS = text("SELECT status, count(*) FROM transactions GROUP BY status")
-_BATCHES_BY_STATUS = text("SELECT status, count(*) FROM batches GROUP BY status")
+# Transactions by status without reading every transaction (the table only grows): the open
+# ones through the partial index on them; the terminal ones as the counts every completed batch
+# keeps (written by its completion, moved by a dlq resolve, reopened by a replay) plus the
+# terminal items of the batches still open (through the partial index on those). The
+# batches, one pass over their table, a fiftieth of the transactions' at 50 items a batch
+_OPEN_TX_BY_STATUS = text(
+    f"SELECT status, count(*) FROM transactions WHERE {OPEN_TX_PREDICATE} GROUP BY status"
+)
+_BATCH_TOTALS = text(
+    "SELECT status, count(*) AS batches, coalesce(sum(succeeded_count), 0) AS succeeded,"
+    " coalesce(sum(failed_count), 0) AS failed, coalesce(sum(dead_count), 0) AS dead"
+    " FROM batches GROUP BY status"
+)
+_TERMINAL_TX_OF_OPEN_BATCHES = text(
+    "SELECT t.status, count(*) FROM batches b JOIN transactions t ON t.batch_pk = b.id"
+    f" WHERE b.status <> '{BatchStatus.COMPLETED.value}'"
+    f" AND t.status IN ({sql_values(TERMINAL_TX_STATUSES)}) GROUP BY t.status"
+)
 # the dlq tooling's totals, by reason: open now, replays (replay_count summed) and resolutions
 # (by hand or by a replay that finished; monotonic as long as dead letters are never
 # deleted), and the age of the oldest open one
@@ -103,7 +121,11 @@ def transaction_statuses(
 @dataclass(frozen=True, slots=True)
 class StateSnapshot:
     """What the database holds right now (the exporter's gauges). Per-status and per-reason
-    maps leave out what has none; ages are in seconds, 0 when there is nothing."""
+    maps leave out what has none; ages are in seconds, 0 when there is nothing.
+
+    ``totals_read`` False: the totals (terminal transactions, batches) were not read in the
+    time allowed; ``transactions`` then holds the open statuses only and ``batches`` nothing,
+    and every other field was read."""
 
     transactions: dict[str, int]
     batches: dict[str, int]
@@ -123,17 +145,45 @@ class StateSnapshot:
     dead_letters_replayed: dict[str, int] = field(default_factory=dict)
     dead_letters_resolved: dict[str, int] = field(default_factory=dict)
     oldest_open_dead_letter_age: float = 0.0
+    totals_read: bool = True
+
+
+def _totals(conn: Connection) -> tuple[dict[str, int], dict[str, int]]:
+    """Terminal transactions by status, and batches by status (see _BATCH_TOTALS)."""
+    tx = dict.fromkeys((str(s) for s in TERMINAL_TX_STATUSES), 0)
+    batches: dict[str, int] = {}
+    for r in conn.execute(_BATCH_TOTALS):
+        batches[str(r.status)] = int(r.batches)
+        if r.status == BatchStatus.COMPLETED.value:
+            for status in TERMINAL_TX_STATUSES:
+                tx[str(status)] += int(getattr(r, str(status)))
+    for status, n in conn.execute(_TERMINAL_TX_OF_OPEN_BATCHES):
+        tx[str(status)] += int(n)
+    return {s: n for s, n in tx.items() if n}, batches
 
 
 def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnapshot:
     """Read the state gauges in the caller's transaction, made read-only, each statement
-    bounded by ``statement_timeout_ms`` (``SET LOCAL``: both end with the transaction)."""
+    bounded by ``statement_timeout_ms`` (``SET LOCAL``: both end with the transaction).
+
+    What the alerts read (work in doubt, waiting, unsent; dead letters) comes first; the
+    totals last, in a savepoint: a totals read that runs out of time leaves the rest read
+    (``totals_read`` False), so a big database never blinds the alerts."""
     conn.execute(text(f"SET LOCAL statement_timeout = {int(statement_timeout_ms)}"))
     conn.execute(text("SET LOCAL transaction_read_only = on"))
-    tx = {str(s): int(n) for s, n in conn.execute(_TX_BY_STATUS)}
-    batches = {str(s): int(n) for s, n in conn.execute(_BATCHES_BY_STATUS)}
+    tx = {str(s): int(n) for s, n in conn.execute(_OPEN_TX_BY_STATUS)}
     work = conn.execute(_OPEN_WORK).one()
     totals = conn.execute(_DEAD_LETTER_TOTALS).all()
+    batches: dict[str, int] = {}
+    totals_read = True
+    try:
+        with conn.begin_nested():
+            terminal, batches = _totals(conn)
+        tx.update(terminal)
+    except OperationalError as exc:  # QueryCanceled: the statement timeout
+        if not isinstance(exc.orig, pg_errors.QueryCanceled):
+            raise
+        totals_read = False
     return StateSnapshot(
         tx,
         batches,
@@ -148,6 +198,7 @@ def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnaps
         dead_letters_replayed={str(r.reason): int(r.replayed) for r in totals},
         dead_letters_resolved={str(r.reason): int(r.resolved) for r in totals},
         oldest_open_dead_letter_age=max((float(r.oldest_open) for r in totals), default=0.0),
+        totals_read=totals_read,
     )
 
 

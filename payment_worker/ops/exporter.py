@@ -27,8 +27,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
-from payment_worker.db.reports import state_snapshot
-from payment_worker.domain.statuses import BatchStatus, TxStatus
+from payment_worker.db.reports import StateSnapshot, state_snapshot
+from payment_worker.domain.statuses import OPEN_TX_STATUSES, BatchStatus, TxStatus
 from payment_worker.ops import queue_depth
 from payment_worker.ops.logging import get_logger
 from payment_worker.ops.metrics import DEAD_LETTER_REASONS, SUBMIT_RESULTS
@@ -36,7 +36,8 @@ from payment_worker.redis_keys import RedisKeys
 
 log = get_logger("exporter")
 
-# each round is a handful of index-backed aggregates; a slow database must not hang a scrape
+# each round is a handful of aggregates, none over every transaction (db.reports); a slow
+# database must not hang a scrape
 _STATEMENT_TIMEOUT_MS = 5000
 # the queues whose waiting messages are reported (worker/celery_config.py's task_queues)
 QUEUES = ("payments", "dlq")
@@ -81,23 +82,18 @@ class Sources:
     ping: Callable[[], int] | None = None
 
 
-def _postgres(engine: Engine) -> Iterator[Metric]:
+def _postgres(engine: Engine, read: list[StateSnapshot]) -> Iterator[Metric]:
     with engine.begin() as conn:
         state = state_snapshot(conn, statement_timeout_ms=_STATEMENT_TIMEOUT_MS)
-    tx = _zero_filled(state.transactions, TxStatus)
+    read.append(state)
+    # without the totals, only the open statuses: a terminal one missing is a gap, never 0
+    statuses = TxStatus if state.totals_read else OPEN_TX_STATUSES
     yield _labelled(
         GaugeMetricFamily,
         "payment_worker_transactions",
         "Transactions by current status.",
         "status",
-        tx,
-    )
-    yield _labelled(
-        GaugeMetricFamily,
-        "payment_worker_batches",
-        "Batches by current status.",
-        "status",
-        _zero_filled(state.batches, BatchStatus),
+        _zero_filled(state.transactions, statuses),
     )
     yield _gauge(
         "payment_worker_in_doubt_transactions",
@@ -161,6 +157,22 @@ def _postgres(engine: Engine) -> Iterator[Metric]:
         "Dead letters resolved (by hand, or by a replay that finished), by reason.",
         "reason",
         _zero_filled(state.dead_letters_resolved, DEAD_LETTER_REASONS),
+    )
+
+
+def _postgres_totals(read: list[StateSnapshot]) -> Iterator[Metric]:
+    # the totals of _postgres's read: their own source, so that a big database whose totals
+    # run out of time is seen (source_up 0) without hiding what the alerts read
+    if not read:
+        raise RuntimeError("Postgres was not read")
+    if not read[0].totals_read:
+        raise RuntimeError("the totals were not read within the statement timeout")
+    yield _labelled(
+        GaugeMetricFamily,
+        "payment_worker_batches",
+        "Batches by current status.",
+        "status",
+        _zero_filled(read[0].batches, BatchStatus),
     )
 
 
@@ -250,8 +262,10 @@ class StateCollector(Collector):
     def _read(self) -> list[Metric]:
         started = time.perf_counter()
         s = self._sources
+        snapshot: list[StateSnapshot] = []
         reads: list[tuple[str, Callable[[], Iterator[Metric]]]] = [
-            ("postgres", lambda: _postgres(s.engine)),
+            ("postgres", lambda: _postgres(s.engine, snapshot)),
+            ("postgres_totals", lambda: _postgres_totals(snapshot)),
             ("redis", lambda: _redis(s.app_redis, s.keys)),
         ]
         broker = s.broker

@@ -53,9 +53,12 @@ def _seed(conn: psycopg.Connection[Any]) -> None:
     """Two batches; transactions in five states, one open for an hour, one in doubt for 20
     minutes, one retried in vain for 25 minutes (and a terminal one whose date is ignored);
     one open dead letter and one resolved."""
+    # a completed batch keeps its counts (written by its completion): the terminal totals
     conn.execute(
-        "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
-        " VALUES ('b1', 'acct-1', 'f1', 'processing', 5), ('b2', 'acct-2', 'f2', 'completed', 2)"
+        "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count,"
+        " succeeded_count, failed_count)"
+        " VALUES ('b1', 'acct-1', 'f1', 'processing', 5, 0, 0),"
+        " ('b2', 'acct-2', 'f2', 'completed', 2, 1, 1)"
     )
     rows = [
         ("b1", "acct-1", "t1", "pending", "1 hour"),
@@ -132,7 +135,7 @@ def test_exporter_serves_state_from_postgres(
 ) -> None:
     before = _samples(httpx.get(exporter, timeout=10).text)
     assert before[("payment_worker_exporter_up", ())] == 1, before
-    for source in ("postgres", "redis", "broker", "workers"):
+    for source in ("postgres", "postgres_totals", "redis", "broker", "workers"):
         assert before[("payment_worker_exporter_source_up", (("source", source),))] == 1
     assert before[("payment_worker_transactions", (("status", "pending"),))] == 0
     assert before[("payment_worker_oldest_open_transaction_age_seconds", ())] == 0
@@ -166,10 +169,14 @@ def test_exporter_serves_state_from_postgres(
     assert 3600 <= m[("payment_worker_oldest_open_transaction_age_seconds", ())] < 3700
     assert m[("payment_worker_exporter_scrape_duration_seconds", ())] > 0
 
-    # read per scrape: a change in Postgres shows up in the next scrape
-    db_conn.execute("UPDATE transactions SET status = 'succeeded' WHERE status <> 'dead'")
+    # read per scrape: a change in Postgres shows up in the next scrape (b1's open items
+    # succeed: counted from the open batch's items, b2's from its counts)
+    db_conn.execute(
+        "UPDATE transactions SET status = 'succeeded'"
+        " WHERE status NOT IN ('succeeded', 'failed', 'dead')"
+    )
     after = _samples(httpx.get(exporter, timeout=10).text)
-    assert after[("payment_worker_transactions", (("status", "succeeded"),))] == 6
+    assert after[("payment_worker_transactions", (("status", "succeeded"),))] == 5
     assert after[("payment_worker_oldest_open_transaction_age_seconds", ())] == 0
     assert after[("payment_worker_accounts_waiting", ())] == 0
     assert after[("payment_worker_in_doubt_transactions", ())] == 0
@@ -203,7 +210,7 @@ def test_unreachable_database_reports_up_zero_not_an_error(pw_env: PwEnv) -> Non
     url = urlunsplit(urlsplit(pw_env.database_url)._replace(path="/no_such_database_pw"))
     families, up, ups = _collect_once(_sources(url, pw_env))
     assert up == 0
-    assert ups == {"postgres": 0, "redis": 1, "broker": 1}
+    assert ups == {"postgres": 0, "postgres_totals": 0, "redis": 1, "broker": 1}
     # what could be read is still served; nothing of Postgres is
     assert "payment_worker_queue_messages" in families
     assert "payment_worker_transactions" not in families
@@ -217,9 +224,35 @@ def test_a_broker_that_is_not_redis_serves_everything_but_queue_depths(pw_env: P
         Sources(sources.engine, sources.app_redis, None, sources.keys)
     )
     assert up == 1
-    assert ups == {"postgres": 1, "redis": 1}
+    assert ups == {"postgres": 1, "postgres_totals": 1, "redis": 1}
     assert "payment_worker_queue_messages" not in families
     assert "payment_worker_transactions" in families
+
+
+def test_totals_that_run_out_of_time_leave_every_alerting_gauge_read(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big database whose totals (terminal transactions, batches) take longer than the
+    statement timeout: before, every Postgres series went with them, and with them the
+    in-doubt, stalled and dead-letter alerts (a review found it). Now the totals are their
+    own source, read last in a savepoint. The slow read is real: the batches table is held
+    by another session's lock, which only the totals read."""
+    from payment_worker.ops import exporter as exporter_module
+
+    _seed(db_conn)
+    monkeypatch.setattr(exporter_module, "_STATEMENT_TIMEOUT_MS", 500)
+    with psycopg.connect(pw_env.database_url) as holder:
+        holder.execute("LOCK TABLE batches IN ACCESS EXCLUSIVE MODE")
+        families, up, ups = _collect_once(_sources(pw_env.database_url, pw_env))
+    assert up == 0
+    assert ups == {"postgres": 1, "postgres_totals": 0, "redis": 1, "broker": 1}
+    tx = {s.labels["status"]: s.value for s in families["payment_worker_transactions"].samples}
+    # the open statuses only: a terminal one unread is a gap, never a 0
+    assert tx == {"pending": 2, "dispatching": 0, "retryable": 1, "unknown": 1}
+    assert "payment_worker_batches" not in families
+    (in_doubt,) = families["payment_worker_in_doubt_transactions"].samples
+    assert in_doubt.value == 1
+    assert "payment_worker_dead_letters_open" in families
 
 
 def test_reads_are_cached_one_round_per_period(pw_env: PwEnv, db_conn: Any) -> None:
