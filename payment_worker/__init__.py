@@ -10,7 +10,7 @@ __all__ = ["app", "submit_batch"]
 __version__ = "0.1.0"
 
 # in `celery ... worker` only, and before anything imports prometheus_client: the worker's
-# metrics in multiprocess mode, whatever its pool (ops/multiprocess.py)
+# metrics in multiprocess mode when its pool forks (ops/multiprocess.py)
 _multiprocess.prepare_worker()
 
 

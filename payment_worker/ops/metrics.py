@@ -5,10 +5,11 @@ batch or payment id). docs/metrics.md lists them. The label values alerts and pa
 are created at import (:func:`preset`), so a series exists at 0 from the start and
 ``increase(...) > 0`` sees the first event after a restart.
 
-A Celery worker runs prometheus-client's multiprocess mode whatever its pool
-(:mod:`payment_worker.ops.multiprocess` switches it on before this module is imported):
-every Gauge here needs a ``multiprocess_mode`` (``livesum``: the live processes' values
-added up, ``max``...), never the default ``all`` (one series per pid).
+A Celery worker whose pool forks (prefork) runs prometheus-client's multiprocess mode
+(:mod:`payment_worker.ops.multiprocess` switches it on before this module is imported; a
+threads or solo worker is one process and keeps the plain registry): every Gauge here needs
+a ``multiprocess_mode`` (``livesum``: the live processes' values added up), never the
+default ``all`` (one series per pid).
 """
 
 from __future__ import annotations

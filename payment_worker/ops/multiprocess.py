@@ -156,7 +156,9 @@ def prepare_worker() -> Path | None:
 
     An operator's ``PROMETHEUS_MULTIPROC_DIR`` is used as given (one directory per worker
     instance on a host: it is emptied at start); otherwise the worker makes
-    ``$TMPDIR/payment-worker-metrics-<uid>/<pid>`` and removes it when it stops.
+    ``$TMPDIR/payment-worker-metrics-<uid>/<pid>`` and removes it when it stops (also when
+    it was started detached: the directory its first process made is not taken for one an
+    operator gave).
     """
     if celery_subcommand(sys.argv) != "worker":
         return None
@@ -171,7 +173,12 @@ def prepare_worker() -> Path | None:
         )
         raise SystemExit(1)
     given = os.environ.get(ENV)
-    if given:
+    # a directory an earlier process of this worker made (``--detach`` and ``celery multi``
+    # fork and exec the worker again with the same environment): named after that process,
+    # which is gone, so any worker's start would delete it as stale under this one. This
+    # process makes its own instead
+    inherited = bool(given) and os.environ.get(_OWNED_ENV) == given
+    if given and not inherited:
         path = Path(given)
         path.mkdir(parents=True, exist_ok=True)
         os.environ.pop(_OWNED_ENV, None)

@@ -211,3 +211,39 @@ def test_ended_processes_are_folded_into_one_archive_and_still_counted(tmp_path:
     assert second['payment_worker_batch_processing_seconds_bucket{le="0.1"}'] == 4
     assert second['payment_worker_batch_processing_seconds_bucket{le="+Inf"}'] == 8
     assert second["payment_worker_batch_processing_seconds_sum"] == pytest.approx(4 * 3.07)
+
+
+_PREPARE = """
+import os, sys
+sys.argv = ["celery", "-A", "payment_worker", "worker", "-P", "prefork"]
+from payment_worker.ops.multiprocess import prepare_worker
+print(prepare_worker(), os.getpid())
+"""
+
+
+def _prepare(env: dict[str, str]) -> tuple[Path, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PREPARE], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    path, pid = out.stdout.split()
+    return Path(path), int(pid)
+
+
+def test_a_worker_started_again_by_detach_makes_its_own_directory(tmp_path: Path) -> None:
+    """``--detach`` (and ``celery multi``) forks and execs the worker again with the same
+    environment: before, the new process took the directory its first process had made for
+    one an operator gave, named after that first process, which is gone; the next worker to
+    start on the host deleted it as stale under the running one (a review found it)."""
+    from payment_worker.ops.multiprocess import _OWNED_ENV, ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, _OWNED_ENV)}
+    env["TMPDIR"] = str(tmp_path)
+    first, first_pid = _prepare(env)  # the first process: its own directory, named by pid
+    assert first.name == str(first_pid) and not first.exists()  # removed as it ended
+    first.mkdir(parents=True)
+    again, pid = _prepare({**env, ENV: str(first), _OWNED_ENV: str(first)})
+    assert again == first.parent / str(pid) and again != first
+    # a directory an operator gave is used as given
+    given = tmp_path / "given"
+    assert _prepare({**env, ENV: str(given)})[0] == given
