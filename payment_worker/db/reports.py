@@ -49,15 +49,23 @@ _TERMINAL_TX_OF_OPEN_BATCHES = text(
     f" WHERE b.status <> '{BatchStatus.COMPLETED.value}'"
     f" AND t.status IN ({sql_values(TERMINAL_TX_STATUSES)}) GROUP BY t.status"
 )
-# the dlq tooling's totals, by reason: open now, replays (replay_count summed) and resolutions
-# (by hand or by a replay that finished; monotonic as long as dead letters are never
-# deleted), and the age of the oldest open one
+# the dlq tooling's totals, by reason: open now, resolutions (by hand or by a replay that
+# finished; monotonic as long as dead letters are never deleted), and the age of the oldest
+# open one
 _DEAD_LETTER_TOTALS = text(
     "SELECT reason, count(*) FILTER (WHERE resolved_at IS NULL) AS open,"
-    " coalesce(sum(replay_count), 0) AS replayed,"
     " count(*) FILTER (WHERE resolved_at IS NOT NULL) AS resolved,"
     " coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE resolved_at IS NULL)), 0)"
     " AS oldest_open FROM dead_letters GROUP BY reason"
+)
+# replays by the reason the item was dead for when it was replayed (the replay history each
+# dead letter keeps): an item replayed, then dead again for another reason, changes its dead
+# letter's reason, and a sum of replay_count by that reason would go down for the old one,
+# a counter reset to Prometheus
+_REPLAYS_BY_REASON = text(
+    "SELECT r.value->>'reason', count(*) FROM dead_letters d"
+    " CROSS JOIN LATERAL jsonb_array_elements(d.payload->'replays') r"
+    " WHERE d.replay_count > 0 AND jsonb_typeof(d.payload->'replays') = 'array' GROUP BY 1"
 )
 STALE_DISPATCH_SECONDS = 600
 """A ``dispatching`` item claimed longer ago than this is in doubt, not on its way: a claim
@@ -174,6 +182,7 @@ def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnaps
     tx = {str(s): int(n) for s, n in conn.execute(_OPEN_TX_BY_STATUS)}
     work = conn.execute(_OPEN_WORK).one()
     totals = conn.execute(_DEAD_LETTER_TOTALS).all()
+    replays = {str(r): int(n) for r, n in conn.execute(_REPLAYS_BY_REASON) if r is not None}
     batches: dict[str, int] = {}
     totals_read = True
     try:
@@ -195,7 +204,7 @@ def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnaps
         oldest_unsent_age=float(work.oldest_unsent),
         accounts_unsent=int(work.accounts_unsent),
         dead_letters_open={str(r.reason): int(r.open) for r in totals if r.open},
-        dead_letters_replayed={str(r.reason): int(r.replayed) for r in totals},
+        dead_letters_replayed=replays,
         dead_letters_resolved={str(r.reason): int(r.resolved) for r in totals},
         oldest_open_dead_letter_age=max((float(r.oldest_open) for r in totals), default=0.0),
         totals_read=totals_read,

@@ -191,11 +191,18 @@ def test_the_state_snapshot_counts_replays_resolutions_and_the_oldest_open(
         assert dlq.resolve(c, b, "failed", "declined per gateway", "t") == dlq.RESOLVED
     with rt.engine.begin() as c:
         snap = state_snapshot(c, statement_timeout_ms=5000)
-    assert snap.dead_letters_replayed == {"retries_exhausted": 1, "key_conflict": 0}
+    assert snap.dead_letters_replayed == {"retries_exhausted": 1}
     assert snap.dead_letters_resolved == {"retries_exhausted": 0, "key_conflict": 1}
     # a replayed dead letter stays open until its item finishes
     assert snap.dead_letters_open == {"retries_exhausted": 1, "key_conflict": 1}
     assert 3600 <= snap.oldest_open_dead_letter_age < 3700
+    # the replayed item dies again, for another reason: its dead letter's reason changes
+    # (the worker's record), and the replay is still counted where it was (before, the
+    # retries_exhausted series went from 1 to 0: a counter reset to Prometheus)
+    db_conn.execute("UPDATE dead_letters SET reason = 'unknown_unresolved' WHERE id = %s", (a,))
+    with rt.engine.begin() as c:
+        snap = state_snapshot(c, statement_timeout_ms=5000)
+    assert snap.dead_letters_replayed == {"retries_exhausted": 1}
 
 
 def test_the_task_failure_hook_writes_a_task_crashed_dead_letter(
