@@ -40,13 +40,13 @@ Each entry: key (type, TTL): what it holds; who writes it.
     A repair message was sent for the account and its task has not started yet; value: a
     batch id. The sweeper; deleted by the drain loop when a holder takes the account.
 ``{prefix}:queued:{acct}`` (string, ``VISIBILITY_TIMEOUT``)
-    A message for the account was published at this time (ms since the epoch, the
-    publisher's clock) and no holder has taken the account since. Set before each publish
-    that names the account (the producer, a hand-off, a repair, a replay), deleted by the
-    drain loop when a holder takes the account; the sweeper reads it to tell a message still
-    waiting behind a backlog from a lost one.
+    A message for the account was published at this time (ms since the epoch, on the Redis
+    server's clock: ``queued_mark.lua`` reads ``TIME``) and no holder has taken the account
+    since. Set before each publish that names the account (the producer, a hand-off, a
+    repair, a replay), deleted by the drain loop when a holder takes the account; the
+    sweeper reads it to tell a message still waiting behind a backlog from a lost one.
 ``{prefix}:alive:{holder}`` (string, ``LIVENESS_TTL_MS``, renewed every ``LIVENESS_INTERVAL_MS``)
-    One worker process is alive; value: its pid. The process's heartbeat thread
+    One worker process is alive; value: ``<pid>-<beat number>``. The process's heartbeat thread
     (:mod:`payment_worker.locks.liveness`). ``holder`` is the process's holder id, which
     prefixes the value of every account lock it holds (``<holder>:<token>``). Its own hash
     tag: it is in another slot than any account's keys.

@@ -72,6 +72,7 @@ DEFAULT_KEY_PREFIX = "pw"
 
 # KEYS = [lock, waiter queue, waiter leases] (+ an arrival mark); header in the file
 _RELEASE_LUA = lua.load("lock_release")
+_LEAVE_LUA = lua.load("lock_leave")
 _END_LUA = lua.load("account_end")
 
 
@@ -164,6 +165,7 @@ class AccountLock:
         self._renewer = renewer
         self._giveback = giveback
         self._release = redis.register_script(_RELEASE_LUA)
+        self._leave = redis.register_script(_LEAVE_LUA)
         self._end = redis.register_script(_END_LUA)
         # the process's heartbeat (locks/liveness.py); None: a plain token, freed by TTL only
         self._liveness = liveness
@@ -282,7 +284,8 @@ class AccountLock:
                 self.account_id,
                 self._queue_keys,
                 self.ttl_ms,
-                self._release,
+                self._leave_queue,
+                self._take_over if self._liveness is not None else None,
             )
             granted = queue.wait(token, until)
         if granted is not None and arrival is not None:
@@ -508,12 +511,24 @@ class AccountLock:
             self._wake(_text(released[1]))
         return code
 
+    def _leave_queue(self, token: str, cause: BaseException) -> None:
+        """A waiter that gives up on ``cause``: leave the queue and give back a lock handed
+        to it, in one script (the next waiter woken); when that fails too, the give-back
+        thread retries it (acquire hands it over itself when ``cause`` is Redis out of reach).
+        Never raises: ``cause`` is what the caller sees."""
+        try:
+            self._settle_release(self._leave(keys=self._queue_keys, args=[token, self.ttl_ms]))
+        except RedisError:
+            if not isinstance(cause, UNREACHABLE):
+                self._give_back_later(token)
+
     def _wake(self, waiter: str) -> None:
         """Wake the waiter the lock was handed to (a lost wake-up costs it one fallback check
         of the lock, at most a block's wait: locks/wait_queue.py)."""
         wake = self._keys.lock_wake(self.account_id, waiter)
         try:
-            pipe = self._redis.pipeline(transaction=False)
+            # one MULTI: a wake list is never left without its expiry
+            pipe = self._redis.pipeline(transaction=True)
             pipe.lpush(wake, 1)
             pipe.pexpire(wake, self.ttl_ms)
             pipe.execute()
@@ -522,13 +537,15 @@ class AccountLock:
 
     def _give_back_later(self, token: str) -> None:
         """Hand the release of ``token`` to the process's give-back thread (the round trip
-        that should have released it, or taken it, failed)."""
+        that should have released it, or taken it, failed). It leaves the waiter queue too
+        (``lock_leave.lua``): a take that failed while waiting may have left its place, and a
+        release handing the lock to it later would hold the account for the whole TTL."""
         if self._giveback is None:
             return  # the TTL frees it
         keys = self._queue_keys
 
         def attempt() -> int:
-            return self._settle_release(self._release(keys=keys, args=[token, self.ttl_ms]))
+            return self._settle_release(self._leave(keys=keys, args=[token, self.ttl_ms]))
 
         self._giveback.add(self.account_id, attempt, self.ttl_ms / 1000)
 

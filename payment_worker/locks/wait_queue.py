@@ -4,16 +4,19 @@ A waiter enters the account's queue (``lock_wait.lua``: the lock is granted at o
 free and nobody waits before it), then blocks on a list of its own (``BLPOP``) that a
 releasing holder pushes to when it hands the lock straight over. Each wake, and each slice
 that ends without one (a dead holder, a lost wake), asks the script again; a waiter that
-stops asking (killed, paused) is skipped after its lease. Giving up cancels the place
-(``lock_cancel.lua``), and keeps a lock handed over meanwhile. docs/locks.md has the keys
-and the scripts' rules.
+stops asking (killed, paused) is skipped after its lease. A slice that ends without a wake
+also asks whether the lock's holder is dead (``check``: its liveness key gone), and takes
+its lock over: a lock handed to a waiter that died would otherwise hold the queue for its
+whole TTL. Giving up on time cancels the place (``lock_cancel.lua``), and keeps a lock
+handed over meanwhile; giving up on an error leaves the queue and gives back anything
+handed over (``leave``). docs/locks.md has the keys and the scripts' rules.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import redis
-from redis.commands.core import Script
-from redis.exceptions import RedisError
 
 from payment_worker import lua
 from payment_worker.locks.watchdog import clock as _clock
@@ -26,8 +29,12 @@ _CANCEL_LUA = lua.load("lock_cancel")
 
 class WaitQueue:
     """One account's waiter queue, for the lock whose scripts take ``script_keys`` (the
-    lock, its waiter queue, the waiters' leases) and whose ``release`` script gives back a
-    lock handed over to a waiter that gives up on an error."""
+    lock, its waiter queue, the waiters' leases).
+
+    ``leave(token, error)``: a waiter that gives up on ``error`` leaves the queue and gives
+    back a lock handed to it (never raises). ``check(token, sent)``: at a slice's end with
+    no wake, take the lock over when its holder is dead; the clock reading before the
+    granting command, or None (None: no check)."""
 
     def __init__(
         self,
@@ -36,7 +43,8 @@ class WaitQueue:
         account_id: str,
         script_keys: list[str],
         ttl_ms: int,
-        release: Script,
+        leave: Callable[[str, BaseException], None],
+        check: Callable[[str, float], float | None] | None = None,
     ) -> None:
         self.account_id = account_id
         self.ttl_ms = ttl_ms
@@ -45,7 +53,8 @@ class WaitQueue:
         self._redis_keys = keys
         self._wait = client.register_script(_WAIT_LUA)
         self._cancel = client.register_script(_CANCEL_LUA)
-        self._release = release
+        self._leave = leave
+        self._check = check
 
     def slice_seconds(self) -> float:
         """How long one BLPOP blocks before a fallback check (a dead holder, a lost wake)."""
@@ -74,22 +83,20 @@ class WaitQueue:
                     break
                 block = slice_s if remaining is None else min(slice_s, remaining)
                 # Redis reads a BLPOP timeout below 1 ms as 0, which blocks forever
-                self._redis.blpop([wake_key], timeout=max(0.01, block))
+                woke = self._redis.blpop([wake_key], timeout=max(0.01, block))
                 sent = _clock()
                 if self._wait(keys=keys, args=[token, self.ttl_ms, lease_ms]) == 1:
                     return sent
-        except BaseException:
-            self._leave(token)
+                if woke is None and self._check is not None:
+                    granted = self._check(token, sent)
+                    if granted is not None:
+                        # taken over: ours, and our place in the queue is left
+                        self._cancel(keys=keys, args=[token, self.ttl_ms])
+                        return granted
+            sent = _clock()
+            if self._cancel(keys=keys, args=[token, self.ttl_ms]) == 1:
+                return sent
+        except BaseException as exc:
+            self._leave(token, exc)
             raise
-        sent = _clock()
-        if self._cancel(keys=keys, args=[token, self.ttl_ms]) == 1:
-            return sent
         return None
-
-    def _leave(self, token: str) -> None:
-        """Best effort after an error: leave the queue and give back a lock handed to us."""
-        try:
-            if self._cancel(keys=self.keys, args=[token, self.ttl_ms]) == 1:
-                self._release(keys=self.keys, args=[token, self.ttl_ms])
-        except RedisError:
-            pass  # the lease expires; the lock's TTL frees anything handed over

@@ -39,6 +39,7 @@ def test_the_scripts_are_there() -> None:
         "holder_register",
         "holders_prune",
         "lock_cancel",
+        "lock_leave",
         "lock_release",
         "lock_renew",
         "lock_take",
