@@ -228,6 +228,14 @@ def _clashes(conn: Connection, batch: NewBatch) -> list[TransactionClash]:
     ]
 
 
+def saved_fingerprint(engine: Engine, batch_id: str) -> str | None:
+    """The content fingerprint of the saved batch ``batch_id``, or None when none is saved
+    (one read of the unique index on ``batch_id``)."""
+    with engine.connect() as conn:
+        found = conn.execute(_BATCH_FINGERPRINT, {"batch_id": batch_id}).scalar_one_or_none()
+    return None if found is None else str(found)
+
+
 def pending_batch_ids(conn: Connection, limit: int = 1000) -> list[str]:
     """Ids of batches not ``completed``, oldest first (for the sweeper)."""
     return [str(r) for r in conn.execute(_PENDING, {"limit": limit}).scalars()]

@@ -130,7 +130,10 @@ def _submit_one(raw: object, rt: Runtime, *, enqueue: bool) -> tuple[SubmitResul
         [(r.transaction_id, f) for r, f in zip(requests, item_fps, strict=True)],
     )
     window = _DedupWindow(rt)
-    if window.seen(batch.batch_id, fp):
+    # the window spares the insert of every item, never the word of Postgres: after a
+    # failover that lost commits, a restore, or another deployment on the same Redis, a
+    # batch the window knows may not be saved, and "duplicate" would mean it is never paid
+    if window.seen(batch.batch_id, fp) and db.saved_fingerprint(rt.engine, batch.batch_id) == fp:
         SUBMIT_DUPLICATES.labels(layer="redis").inc()
         return _counted(SubmitResult(batch.batch_id, "duplicate", count)), False
 

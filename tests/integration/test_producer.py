@@ -123,6 +123,32 @@ def test_resubmission_is_duplicate_and_enqueues_nothing(
     assert broker_messages(pw_env) == ["b-1"]
 
 
+def test_the_window_never_answers_duplicate_for_a_batch_postgres_lost(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any], redis_client: redis.Redis
+) -> None:
+    """A failover that lost the last commits (asynchronous replication), or a restore: the
+    batch is gone from Postgres, its window key is still in Redis. Before, a resubmission
+    within the window was answered duplicate without asking Postgres, and never paid (a
+    review found it; the runbook told operators to wait the window out). Now it is saved
+    again, and enqueued."""
+    data = make_batch("b-lost")
+    assert submit_batch(data).status == "accepted"
+    assert redis_client.exists(RedisKeys("pw").submit_dedup("b-lost"))
+    # what the failover lost
+    db_conn.execute(
+        "DELETE FROM idempotency_keys WHERE transaction_pk IN (SELECT t.id FROM transactions t"
+        " JOIN batches b ON b.id = t.batch_pk WHERE b.batch_id = 'b-lost')"
+    )
+    db_conn.execute(
+        "DELETE FROM transactions WHERE batch_pk = (SELECT id FROM batches"
+        " WHERE batch_id = 'b-lost')"
+    )
+    db_conn.execute("DELETE FROM batches WHERE batch_id = 'b-lost'")
+    assert submit_batch(data).status == "accepted"
+    assert counts(db_conn) == (1, 3, 3)
+    assert broker_messages(pw_env) == ["b-lost", "b-lost"]
+
+
 def test_same_batch_id_other_content_is_a_conflict(
     pw_env: PwEnv, db_conn: psycopg.Connection[Any]
 ) -> None:
