@@ -132,6 +132,7 @@ class Liveness:
             raise ValueError("need interval_ms > 0 and 0 <= margin_ms < ttl_ms")
         self.holder_id = holder_id or make_holder_id()
         self.key = keys.alive(self.holder_id)
+        self._keys = keys
         self._registry = keys.holders()
         self.ttl_ms = ttl_ms
         self.interval = interval_ms / 1000
@@ -197,6 +198,9 @@ class Liveness:
                         key_was_missing=old is None,
                         since_last_beat_s=round(replied - last, 3),
                     )
+                    if not self._rotate(value):
+                        LIVENESS_BEATS.labels("error").inc()
+                        return False
                 epoch = max(epoch, 0) + 1
             elif replied - last >= self.window:
                 # late, but the key held the last beat's value: it never lapsed, the locks
@@ -210,6 +214,34 @@ class Liveness:
             self._wake_waiters()
             LIVENESS_BEATS.labels("ok").inc()
             return True
+
+    def _rotate(self, value: bytes) -> bool:
+        """After a gap: go on under a new holder id, its key written with ``value``, and
+        delete the old id's key (one round trip; False, nothing changed, when it fails).
+
+        Locks that name the old id are not trusted any more (a new epoch), but a Redis
+        restored from a snapshot, or a replica promoted by a failover, can bring back locks
+        this process had released since, naming it; alive under the same id, it would keep
+        every taker off them for their whole TTL. Under a new id, the old one is dead: they
+        are taken over at once (and the sweeper, which still finds the old id in the
+        registry, reads the locks)."""
+        old_id, old_key = self.holder_id, self.key
+        new_id = make_holder_id()
+        new_key = self._keys.alive(new_id)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(new_key, value, px=self.ttl_ms)
+        pipe.eval(_REGISTER_LUA, 1, self._registry, new_id)
+        pipe.delete(old_key)
+        try:
+            pipe.execute()
+        except RedisError as exc:
+            log.warning("liveness_rotate_failed", holder=old_id, error=str(exc))
+            return False
+        # the key before the id: a taker that reads the new id finds its key written
+        self.key = new_key
+        self.holder_id = new_id
+        log.warning("liveness_new_holder_id", old_holder=old_id, holder=new_id)
+        return True
 
     def _wake_waiters(self) -> None:
         """Release every sender waiting for a beat (after the state they read changed)."""

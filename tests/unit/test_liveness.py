@@ -26,27 +26,43 @@ class Clock:
 
 
 class ScriptedRedis:
-    """The liveness key as Redis keeps it, on the fake clock: ``SET … PX … GET`` answers
-    what the key held (None: missing or expired), or an error."""
+    """The liveness keys as Redis keeps them, on the fake clock: ``SET … PX … GET`` answers
+    what the key held (None: missing or expired), or an error. ``value``: the key last
+    written (None after a flush)."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.value: bytes | None = None
-        self.expires_at = 0.0
+        self.store: dict[str, tuple[bytes, float]] = {}
+        self.last_key = ""
         self.down = False
         self.sets = 0
+        self.holders: list[str] = []  # the registry's entries, in order
 
-    def held(self) -> bytes | None:
-        return self.value if self.clock.now < self.expires_at else None
+    def held(self, key: str) -> bytes | None:
+        value, expires_at = self.store.get(key, (b"", 0.0))
+        return value if self.clock.now < expires_at else None
 
-    def set(self, key: str, value: Any, px: int, get: bool) -> bytes | None:
-        assert get and px == 3000
+    @property
+    def value(self) -> bytes | None:
+        return self.held(self.last_key)
+
+    @value.setter
+    def value(self, value: bytes | None) -> None:
+        assert value is None  # a FLUSHDB
+        self.store.clear()
+
+    def set(self, key: str, value: Any, px: int, get: bool = False) -> bytes | None:
+        assert px == 3000
         if self.down:
             raise RedisConnectionError("refused")
         self.sets += 1
-        old = self.held()
-        self.value, self.expires_at = value, self.clock.now + px / 1000
-        return old
+        old = self.held(key)
+        self.store[key] = (value, self.clock.now + px / 1000)
+        self.last_key = key
+        return old if get else None
+
+    def delete(self, key: str) -> int:
+        return 1 if self.store.pop(key, None) is not None else 0
 
     def pipeline(self, transaction: bool) -> ScriptedPipeline:
         assert not transaction
@@ -60,14 +76,16 @@ class ScriptedPipeline:
         self.r = r
         self.calls: list[Any] = []
 
-    def set(self, key: str, value: Any, px: int, get: bool) -> None:
+    def set(self, key: str, value: Any, px: int, get: bool = False) -> None:
         self.calls.append(lambda: self.r.set(key, value, px=px, get=get))
 
     def eval(self, script: str, numkeys: int, key: str, holder: str) -> None:
         # the registry's entry (lua/holder_register.lua: ZADD on the server's clock)
-        assert "ZADD" in script and numkeys == 1
-        assert key == "pw:holders" and holder == "host-7-abcd"
-        self.calls.append(lambda: 1)
+        assert "ZADD" in script and numkeys == 1 and key == "pw:holders"
+        self.calls.append(lambda: self.r.holders.append(holder) or 1)
+
+    def delete(self, key: str) -> None:
+        self.calls.append(lambda: self.r.delete(key))
 
     def execute(self) -> list[Any]:
         return [call() for call in self.calls]
@@ -121,6 +139,47 @@ def test_a_beat_after_a_gap_starts_a_new_epoch(parts: Any) -> None:
     clock.now += 5.0  # SIGSTOP: the key expired meanwhile
     live.beat()
     assert live.current_epoch() == 2 and not live.vouches(1)
+
+
+def test_a_gap_goes_on_under_a_new_holder_id_and_the_old_one_is_dead(parts: Any) -> None:
+    """A Redis restored from a snapshot, or a replica promoted by a failover, brings back
+    the liveness key with an older beat's value (a gap) and locks this process released
+    since, naming it. Under its old id it would look alive and keep takers off those locks
+    for their TTL (a review found it): the old id's key is deleted, and the process beats
+    under a new one from then on."""
+    live, r, clock = parts
+    live.beat()
+    old_id, old_key = live.holder_id, live.key
+    before = r.value
+    clock.now += 0.5
+    live.beat()
+    r.set(old_key, before, px=3000)  # the restore: an older beat's value
+    clock.now += 0.5
+    assert live.beat() and live.current_epoch() == 2
+    assert live.holder_id != old_id and live.key == RedisKeys().alive(live.holder_id)
+    assert r.held(old_key) is None and r.held(live.key) is not None
+    assert r.holders[-1] == live.holder_id
+    clock.now += 0.5
+    assert live.beat() and live.current_epoch() == 2  # the new key goes on unbroken
+
+
+def test_a_rotation_that_fails_keeps_the_old_id_and_vouches_for_nothing_new(
+    parts: Any,
+) -> None:
+    live, r, clock = parts
+    live.beat()
+    old_id = live.holder_id
+    clock.now += 5.0  # the key lapsed
+    real_delete = r.delete
+
+    def refuse(key: str) -> int:
+        raise RedisConnectionError("reset")
+
+    r.delete = refuse  # type: ignore[method-assign]
+    assert not live.beat()
+    assert live.holder_id == old_id and live.current_epoch() is None
+    r.delete = real_delete  # type: ignore[method-assign]
+    assert live.beat() and live.current_epoch() == 2 and live.holder_id != old_id
 
 
 def test_a_beat_that_finds_its_key_missing_starts_a_new_epoch(parts: Any) -> None:

@@ -1,8 +1,9 @@
-"""The account lock's waiter queue when a waiter or a holder fails, on a real Redis: a
-waiter whose wait ended on an error is taken out of the queue by the give-back, and a queued
-waiter takes over the lock of a holder that died while it waited (docs/locks.md, "Blocking
-acquire"). Both were found by a review: before, either left the account stuck for the
-lock's whole TTL (30 s by default)."""
+"""The account lock when a waiter, a holder or Redis itself fails, on a real Redis: a waiter
+whose wait ended on an error is taken out of the queue by the give-back, a queued waiter
+takes over the lock of a holder that died while it waited (docs/locks.md, "Blocking
+acquire"), and a lock a restored Redis brings back is taken over at once ("Holder
+liveness"). Each was found by a review: before, each left the account stuck for the lock's
+whole TTL (30 s by default)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,32 @@ def test_a_queued_waiter_takes_over_the_lock_of_a_holder_that_died_while_it_wait
     finally:
         thread.join(ttl_ms / 1000)
         lock.release()
+
+
+def test_a_lock_a_restored_redis_brings_back_is_taken_over_at_once(
+    rt: runtime.Runtime, redis_client: redis.Redis
+) -> None:
+    """Redis restored from a snapshot (or a replica promoted by a failover) brings back a
+    lock this process had released since, and its liveness key with an older beat's value.
+    The process finds the gap at its next beat and goes on under a new holder id, so the
+    restored lock names a dead holder and the next taker takes it over; before, the holder
+    looked alive and the account waited for the lock's TTL."""
+    live = rt.liveness
+    lock = rt.account_lock(ACCOUNT)
+    assert lock.acquire(fence=False)
+    snapshot = {
+        k: (redis_client.get(k), redis_client.pttl(k)) for k in (rt.keys.lock(ACCOUNT), live.key)
+    }
+    assert lock.release()
+    live.beat()  # beats go on after the snapshot
+    old_id = live.holder_id
+    for key, (value, pttl) in snapshot.items():  # the restore
+        assert value is not None
+        redis_client.set(key, value, px=pttl)
+    assert live.beat()  # finds the gap
+    assert live.holder_id != old_id and not redis_client.exists(rt.keys.alive(old_id))
+    taker = rt.account_lock(ACCOUNT)
+    started = time.monotonic()
+    assert taker.acquire(fence=False)  # no wait: the restored lock's holder is dead
+    assert time.monotonic() - started < 1.0
+    taker.release()
