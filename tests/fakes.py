@@ -162,10 +162,10 @@ class FakeStore:
             elif r.status is TxStatus.DISPATCHING:
                 r.status = TxStatus.UNKNOWN  # a crashed holder's: maybe sent
                 r.doubt_since = r.doubt_since or r.dispatched_at or 0.0
-            elif r.doubt_since is None:
-                r.doubt_since = now  # a replayed item claimed for a lookup
             if r.first_doubt_at is None and r.status is TxStatus.UNKNOWN:
-                r.first_doubt_at = r.doubt_since
+                r.first_doubt_at = r.doubt_since  # the doubt as it was (db.work's claim)
+            if r.status is TxStatus.UNKNOWN and r.doubt_since is None:
+                r.doubt_since = now  # a replayed item claimed for a lookup
             r.dispatched_at = now
             req = r.request()
             claimed.append(

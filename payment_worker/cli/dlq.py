@@ -179,7 +179,23 @@ def _row_json(d: store.DeadLetter) -> dict[str, Any]:
     if isinstance(out.get("payload"), dict) and "last_error" in out["payload"]:
         # the payload keeps its own copy of the error text
         out["payload"] = {**out["payload"], "last_error": out["last_error"]}
+    # text typed by a person or received in a message: masked as the logs mask it
+    if out.get("resolution_note") is not None:
+        out["resolution_note"] = redact(str(out["resolution_note"]))
+    if isinstance(out.get("payload"), dict) and "args" in out["payload"]:
+        out["payload"] = {**out["payload"], "args": _masked(out["payload"]["args"])}
     return out
+
+
+def _masked(value: Any) -> Any:
+    """``value`` with every string in it masked (its shape kept: the JSON fields stay)."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, list):
+        return [_masked(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _masked(v) for k, v in value.items()}
+    return value
 
 
 def _cell(value: object, width: int | None = None) -> str:
@@ -304,12 +320,12 @@ def show_cmd(ctx: click.Context, dead_letter_id: str, as_json: bool) -> None:
         ("replays", f"{r['replay_count']} (last {r['replayed_at'] or '-'})"),
         (
             "resolved",
-            f"{r['resolved_at']} by {r['resolved_by']}: {r['resolution_note']}"
+            f"{r['resolved_at']} by {r['resolved_by']}: {out['resolution_note']}"
             if r["resolved_at"]
             else None,
         ),
         ("task", payload.get("task_name")),
-        ("task args", json.dumps(payload.get("args")) if "args" in payload else None),
+        ("task args", json.dumps(out["payload"]["args"]) if "args" in payload else None),
         ("replay would", would),
     ]
     for label, value in lines:

@@ -31,9 +31,10 @@ TASK_CRASHED = "task_crashed"
 # The reasons a replay may act on. key_conflict is never replayed: the gateway holds another
 # request under the key, and the lookup a replay starts with would record that payment as
 # ours. fingerprint_mismatch would only die again (the row no longer matches what was
-# accepted). in_doubt_key_expired is listed but always refused by the key-trust rule (its
-# doubt_since is kept, and it died because it was older than the trust).
-REPLAYABLE_REASONS = ("retries_exhausted", "unknown_unresolved", "in_doubt_key_expired")
+# accepted). in_doubt_key_expired is refused as "key retention passed" whatever its age reads:
+# it died because it was older than the trust, and a tool run with a longer
+# GATEWAY_KEY_RETENTION_SECONDS than the workers' must not send it to a worker that refuses.
+REPLAYABLE_REASONS = ("retries_exhausted", "unknown_unresolved")
 _REPLAYABLE = ", ".join(f"'{r}'" for r in REPLAYABLE_REASONS)
 
 # Since when the sends of a dead item ``t`` count as in doubt for the key trust. A 404 within
@@ -41,10 +42,12 @@ _REPLAYABLE = ", ".join(f"'{r}'" for r in REPLAYABLE_REASONS)
 # used up), its row reads "never in doubt" though it was, and a send of it may still have
 # been applied (a paused holder's that left late) and be forgotten by the gateway past its
 # retention. So its first send ever in doubt counts (first_doubt_at, kept since migration
-# 0009); an item ever looked up without that date is dated from its creation, as migration
-# 0008 did for the rows it found: past the trust, a person decides.
+# 0009); an item ever looked up without that date (dead before 0009) is dated from its
+# creation, as migration 0008 did for the rows it found, never from a later doubt
+# (doubt_since: an earlier send may have been in doubt, cleared by a 404 and paid late):
+# past the trust, a person decides.
 DOUBT_SINCE = (
-    "COALESCE(t.first_doubt_at, t.doubt_since, CASE WHEN t.lookups > 0 THEN t.created_at END)"
+    "COALESCE(t.first_doubt_at, CASE WHEN t.lookups > 0 THEN t.created_at END, t.doubt_since)"
 )
 
 # how a dead letter's state is computed (see the module docstring); ``t`` is its transaction
@@ -229,6 +232,8 @@ def replay_refusal(
         return ReplayResult(dead_letter_id, NOT_DEAD, detail="already resolved")
     if row.status != "dead":
         return ReplayResult(dead_letter_id, NOT_DEAD, detail=f"no longer dead ({row.status})")
+    if row.reason == "in_doubt_key_expired":
+        return ReplayResult(dead_letter_id, KEY_EXPIRED, detail=WILL_NOT_RESEND)
     if row.reason not in REPLAYABLE_REASONS:
         why = (
             "the gateway holds another request under this key, a lookup would take it for ours"

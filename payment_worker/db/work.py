@@ -120,12 +120,15 @@ claimed AS (
                            ELSE t.doubt_since END,
         -- the first send ever in doubt, dated for good: a 404 clears doubt_since, but that
         -- send may still land after it (see domain.transitions.too_late_to_send). Every
-        -- doubt is claimed for a lookup before one can clear it: the claim dates it
+        -- doubt is claimed for a lookup before one can clear it: the claim dates it, from
+        -- the doubt as it was (a replayed item never in doubt stays undated: the date this
+        -- claim gives its doubt only stands in for a record that may be lost, and its next
+        -- claim dates it if it was)
         first_doubt_at = CASE WHEN pick.prev = 'dispatching'
                               THEN COALESCE(t.first_doubt_at, t.doubt_since, t.dispatched_at,
                                             t.created_at)
                               WHEN pick.prev = 'unknown'
-                              THEN COALESCE(t.first_doubt_at, t.doubt_since, now())
+                              THEN COALESCE(t.first_doubt_at, t.doubt_since)
                               ELSE t.first_doubt_at END,
         dispatched_at = now(),
         fence_token = (SELECT fence_token FROM fence),

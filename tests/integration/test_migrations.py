@@ -170,17 +170,18 @@ def test_0009_dates_the_first_doubt_of_open_items_and_allows_a_key_in_conflict(
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
     """0009 keeps the first send ever in doubt (a 404 clears doubt_since, but that send may
-    land after it): an open item in doubt is dated from its doubt, one ever looked up whose
-    doubt a 404 cleared from its creation; one never in doubt stays undated. Its down
-    migration turns a key "conflict" into "sent" (maybe applied)."""
+    land after it): an open item ever looked up is dated from its creation (its doubt now
+    may be a later one), one in doubt never looked up from its doubt; one never in doubt
+    stays undated. Its down migration turns a key "conflict" into "sent" (maybe applied)."""
     url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
     migrate.downgrade(url, "0008")
     db_conn.execute(
         "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
-        " VALUES ('mig9', 'acct-mig9', 'fp', 'processing', 4)"
+        " VALUES ('mig9', 'acct-mig9', 'fp', 'processing', 5)"
     )
     for tx, status, lookups, doubt in (
-        ("in-doubt", "unknown", 1, "1 hour"),
+        ("in-doubt", "unknown", 0, "1 hour"),
+        ("looked-up", "unknown", 2, "1 hour"),
         ("cleared", "retryable", 2, None),
         ("never", "retryable", 0, None),
         ("done", "succeeded", 1, None),
@@ -201,6 +202,7 @@ def test_0009_dates_the_first_doubt_of_open_items_and_allows_a_key_in_conflict(
     ).fetchall()
     assert {r[0]: tuple(r[1:]) for r in rows} == {
         "in-doubt": (True, False, False),
+        "looked-up": (False, True, False),
         "cleared": (None, True, False),
         "never": (None, None, True),
         "done": (None, None, True),  # a terminal row: a replay dates it (DOUBT_SINCE)

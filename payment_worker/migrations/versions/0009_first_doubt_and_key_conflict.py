@@ -25,12 +25,14 @@ def upgrade() -> None:
     # in doubt is dated for good, and past the key trust the item is never sent again
     # automatically. Nullable, no default: added without rewriting the table
     op.add_column("transactions", sa.Column("first_doubt_at", sa.DateTime(timezone=True)))
-    # open items: an item ever looked up was in doubt once, dated from its creation when a
-    # 404 cleared its doubt since (as 0008 did for dead ones)
+    # open items: an item ever looked up was in doubt once, dated from its creation (as 0008
+    # did for dead ones): its doubt now may be a later one, an earlier one cleared by a 404;
+    # one never looked up from its doubt. Dead items are dated the same way when read
+    # (DOUBT_SINCE in db/dead_letters.py)
     op.execute(
         """
         UPDATE transactions
-        SET first_doubt_at = COALESCE(doubt_since, CASE WHEN lookups > 0 THEN created_at END)
+        SET first_doubt_at = CASE WHEN lookups > 0 THEN created_at ELSE doubt_since END
         WHERE status IN ('pending', 'retryable', 'dispatching', 'unknown')
           AND (doubt_since IS NOT NULL OR lookups > 0)
         """
