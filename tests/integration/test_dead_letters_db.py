@@ -91,6 +91,37 @@ def test_replay_refuses_an_item_in_doubt_past_the_key_trust(
     assert _status(db_conn, "b2") == ("dead", 8)
 
 
+def test_an_item_dead_past_the_key_trust_is_refused_whatever_trust_the_tool_runs_with(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    # a dlq run with a longer GATEWAY_KEY_RETENTION_SECONDS than the workers' (a review
+    # found it replayed: only its age refused it, measured with the tool's trust)
+    dl_id = _dead(db_conn, "b2b", "in_doubt_key_expired", 60)
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        r = dlq.replay(c, dl_id, 10**9, "tester")
+    assert r.result == dlq.KEY_EXPIRED and r.detail == dlq.WILL_NOT_RESEND
+    assert _status(db_conn, "b2b") == ("dead", 8)
+
+
+def test_an_item_once_looked_up_is_dated_from_its_creation_not_a_later_doubt(
+    rt: runtime.Runtime, db_conn: Any
+) -> None:
+    """Dead before migration 0009 (no first_doubt_at), ever looked up, its doubt a recent
+    one: an earlier send, cleared by a 404, may have been paid late and forgotten by the
+    gateway since. Before, the recent doubt let the replay through (a review found it)."""
+    dl_id = _dead(db_conn, "b2c", "unknown_unresolved", 60)
+    db_conn.execute(
+        "UPDATE transactions SET lookups = 2, created_at = now() - interval '2 days'"
+        " WHERE transaction_id = 'b2c-tx'"
+    )
+    with rt.engine.connect() as c:
+        c = c.execution_options(isolation_level="AUTOCOMMIT")
+        r = dlq.replay(c, dl_id, TRUST, "tester")
+    assert r.result == dlq.KEY_EXPIRED
+    assert _status(db_conn, "b2c") == ("dead", 8)
+
+
 def test_a_never_in_doubt_item_replays_at_any_age(rt: runtime.Runtime, db_conn: Any) -> None:
     dl_id = _dead(db_conn, "b3", "retries_exhausted", None)
     db_conn.execute("UPDATE dead_letters SET created_at = now() - interval '30 days'")
@@ -114,11 +145,16 @@ def test_a_replayed_item_never_in_doubt_dates_its_doubt_from_its_first_claim(
     [first] = store.fence_and_claim(ACCT, 5)
     assert first.status is TxStatus.UNKNOWN  # looked up before any send
     assert first.doubt_age is not None and first.doubt_age < 1.0
+    # ... but that stand-in date does not make it "once in doubt" (first_doubt_at): had its
+    # record come, its sends all answered "not applied", it would replay at any age again
+    assert first.first_doubt_age is None
     time.sleep(0.3)
-    # the first holder crashed without a record: the next holder's doubt is the first's
+    # the first holder crashed without a record: the next holder's doubt is the first's,
+    # and now it was once in doubt (that holder's send may have left)
     [again] = store.fence_and_claim(ACCT, 5)
     assert again.status is TxStatus.UNKNOWN
     assert again.doubt_age is not None and again.doubt_age >= 0.3
+    assert again.first_doubt_age is not None and again.first_doubt_age >= 0.3
 
 
 def test_two_concurrent_replays_one_wins(rt: runtime.Runtime, db_conn: Any) -> None:

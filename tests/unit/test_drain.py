@@ -423,6 +423,26 @@ def test_a_404_after_a_422_whose_lookup_got_no_answer_is_a_key_conflict(w: World
     assert w.gateway.sends(row.key) == 1
 
 
+def test_a_replayed_item_never_in_doubt_is_not_made_once_in_doubt_by_its_claim(
+    w: World,
+) -> None:
+    """A replayed item whose sends were all answered "not applied": its claim dates its
+    doubt (a stand-in for a record that may be lost), and its lookup's 404 sends it, again
+    answered 503. Before, the claim's date became its first doubt for good, and a long
+    outage then made it die, and its replay be refused, as past the key trust (a review
+    found it)."""
+    [row] = w.store.add(ACCT, 1, 1, status=TxStatus.UNKNOWN)  # as a replay leaves it
+    w.max_attempts = 100
+    w.gateway.script[row.key].append(answer(Outcome.RETRY, 503))
+    w.hold_wait = 0.0
+    w.run()
+    assert w.gateway.calls == [("lookup", row.key), ("create", row.key)]
+    assert row.status is TxStatus.RETRYABLE and row.first_doubt_at is None
+    w.clock.sleep(200_000.0)
+    w.run()
+    assert row.status is TxStatus.SUCCEEDED and w.store.dead_letters == []
+
+
 def test_sends_that_were_never_in_doubt_are_sent_again_whenever(w: World) -> None:
     [row] = w.store.add(ACCT, 1, 1)
     w.max_attempts = 100
