@@ -80,6 +80,11 @@ def build_config(s: Settings, broker_url: str, argv: Sequence[str] = ()) -> dict
         # Publishing must fail fast when the broker is down: the producer has already persisted the
         # batch, and the sweeper will enqueue it later.
         "broker_connection_timeout": 5,
+        # ... also for a publisher waiting for one of the process's producers (Celery's pool,
+        # broker_pool_limit, 10) while others retry against a broker that does not answer.
+        # kombu takes a producer's connection with no bound of its own, so enqueue_batch
+        # bounds the wait itself (worker/queueing.py, PUBLISH_WAIT_SECONDS)
+        "broker_pool_acquire_timeout": 5.0,
         "task_publish_retry_policy": {
             "max_retries": 2,
             "interval_start": 0.1,

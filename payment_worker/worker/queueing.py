@@ -7,11 +7,14 @@ neither the tasks module nor anything that imports it (no import cycle).
 
 from __future__ import annotations
 
+import os
 import secrets
+import threading
 import time
 from typing import Any
 
 from payment_worker import lua
+from payment_worker.errors import PaymentWorkerError
 from payment_worker.locks.arrival import Arrival
 from payment_worker.ops.logging import get_logger
 from payment_worker.redis_pool import UNREACHABLE
@@ -45,6 +48,42 @@ _CLAIM_LUA = lua.load("schedule_claim")
 _CLEAR_LUA = lua.load("schedule_clear")
 _MARK_LUA = lua.load("queued_mark")
 
+# How long a publish waits for one of the process's broker connections before it gives up
+# as "not published". Celery publishes through a pool of broker_pool_limit (10) producers,
+# and kombu takes a producer's connection with no time bound: with a broker that does not
+# answer, each publish holds one for its retries (seconds), and hundreds of task threads
+# (hand-offs, delayed messages under the lock) would queue behind them without end.
+PUBLISH_WAIT_SECONDS = 5.0
+
+
+class PublishBusy(PaymentWorkerError):
+    """Every broker connection of the process stayed busy for PUBLISH_WAIT_SECONDS."""
+
+
+class _PublishSlots:
+    """At most broker_pool_limit publishes of this process at once, the others waiting for
+    a slot PUBLISH_WAIT_SECONDS at most (new after a fork: a parent's holders are not the
+    child's)."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._slots = threading.BoundedSemaphore(1)
+
+    def acquire(self) -> threading.BoundedSemaphore:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._slots = threading.BoundedSemaphore(max(1, int(app.conf.broker_pool_limit or 10)))
+        slots = self._slots
+        if not slots.acquire(timeout=PUBLISH_WAIT_SECONDS):
+            raise PublishBusy(
+                f"no broker connection free within {PUBLISH_WAIT_SECONDS:.0f} s: "
+                "every one is busy (a broker that does not answer?)"
+            )
+        return slots
+
+
+_PUBLISH_SLOTS = _PublishSlots()
+
 
 def enqueue_batch(
     batch_id: str,
@@ -65,8 +104,10 @@ def enqueue_batch(
     and the mark carry the Redis server's time: the mark's stamp, or ``enqueued_ms`` (a
     delayed message's, from its schedule), else this host's clock (the mark not written).
 
-    Raises the broker's error when it is unreachable; callers that have persisted the batch
-    already may ignore it, because the sweeper enqueues pending batches.
+    Raises the broker's error when it is unreachable, and :class:`PublishBusy` when every
+    broker connection of the process stays busy for ``PUBLISH_WAIT_SECONDS``; callers that
+    have persisted the batch already may ignore it, because the sweeper enqueues pending
+    batches.
     """
     kwargs: dict[str, Any] = {}
     if scheduled_due_ms is not None:
@@ -75,18 +116,22 @@ def enqueue_batch(
     stamp = mark_queued(*mark) if mark is not None else None
     now_ms = stamp or enqueued_ms or int(time.time() * 1000)
     try:
-        app.send_task(
-            PROCESS_TASK,
-            args=[batch_id],
-            kwargs=kwargs or None,
-            queue=PAYMENTS_QUEUE,
-            routing_key=PAYMENTS_QUEUE,
-            countdown=countdown,
-            headers={
-                ENQUEUED_HEADER: now_ms,
-                **({ACCOUNT_HEADER: account_id} if account_id else {}),
-            },
-        )
+        slots = _PUBLISH_SLOTS.acquire()
+        try:
+            app.send_task(
+                PROCESS_TASK,
+                args=[batch_id],
+                kwargs=kwargs or None,
+                queue=PAYMENTS_QUEUE,
+                routing_key=PAYMENTS_QUEUE,
+                countdown=countdown,
+                headers={
+                    ENQUEUED_HEADER: now_ms,
+                    **({ACCOUNT_HEADER: account_id} if account_id else {}),
+                },
+            )
+        finally:
+            slots.release()
     except Exception:
         if mark is not None:  # nothing is on its way: the sweeper must not wait for it
             unmark_queued(*mark)

@@ -127,3 +127,27 @@ def test_rows_are_committed_when_the_publish_happens(
     # a duplicate publishes nothing, so it looks at nothing either
     assert submit_batch(make_batch("b-1", n=5)).status == "duplicate"
     assert len(seen) == 1 and broker_messages(pw_env) == ["b-1"]
+
+
+def test_a_publish_waiting_for_a_broker_connection_gives_up_in_bounded_time(
+    pw_env: PwEnv,
+) -> None:
+    """Every broker connection of the process is taken by a publish in progress (each
+    retrying against a broker that does not answer): another publish gives up after
+    ``PUBLISH_WAIT_SECONDS`` as "not published" instead of holding its slot, and perhaps
+    its lock, without end (a review found no bound: kombu takes a producer's connection
+    with none, whatever Celery's ``broker_pool_acquire_timeout``)."""
+    import time
+
+    held = [queueing._PUBLISH_SLOTS.acquire() for _ in range(10)]  # broker_pool_limit
+    try:
+        started = time.monotonic()
+        with pytest.raises(queueing.PublishBusy):
+            queueing.enqueue_batch("b-starved")
+        waited = time.monotonic() - started
+    finally:
+        for slots in held:
+            slots.release()
+    assert queueing.PUBLISH_WAIT_SECONDS - 0.5 <= waited < queueing.PUBLISH_WAIT_SECONDS + 3
+    queueing.enqueue_batch("b-fed")  # a connection free again: published at once
+    assert broker_messages(pw_env) == ["b-fed"]
