@@ -30,6 +30,12 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 # failure or a deadlock from elsewhere is still rolled back whole and simply tried again
 _RETRYABLE_SQLSTATES = {"40P01", "40001"}
 _UNIQUE_VIOLATION = "23505"
+# the unique constraints a transaction of another batch trips (its account and transaction
+# id, and the idempotency key derived from them); any other (a primary key after a restore
+# left a sequence behind) is a database error, not a clash
+_CLASH_CONSTRAINTS = frozenset(
+    {"transactions_account_tx_key", "transactions_idempotency_key_key", "idempotency_keys_pkey"}
+)
 _ATTEMPTS = 3
 
 # The namespace of the submission lock (pg_advisory_xact_lock(int, int)): its first key, so
@@ -160,18 +166,19 @@ def insert_batch(engine: Engine, batch: NewBatch) -> InsertOutcome:
     """
     for attempt in range(1, _ATTEMPTS + 1):
         try:
-            outcome = _insert_once(engine, batch)
+            outcome = _insert_once(engine, batch, last=attempt == _ATTEMPTS)
         except DBAPIError as exc:
             if attempt == _ATTEMPTS or not _retryable(exc):
                 raise
             continue
         if outcome is not None:
             return outcome
-    # a clash whose owner could not be found three times: cannot happen without deletes
-    raise RuntimeError(f"batch {batch.batch_id!r}: transactions clash but have no owner")
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _insert_once(engine: Engine, batch: NewBatch) -> InsertOutcome | None:
+def _insert_once(engine: Engine, batch: NewBatch, *, last: bool) -> InsertOutcome | None:
+    """One try; None: a clash whose owner was not found (it rolled back meanwhile): try
+    again. On the ``last`` try that clash is raised as the database error it is."""
     txs = batch.transactions
     params = {
         "batch_id": batch.batch_id,
@@ -187,9 +194,16 @@ def _insert_once(engine: Engine, batch: NewBatch) -> InsertOutcome | None:
         except IntegrityError as exc:
             if getattr(exc.orig, "sqlstate", None) != _UNIQUE_VIOLATION:
                 raise
+            diag = getattr(exc.orig, "diag", None)
+            if getattr(diag, "constraint_name", None) not in _CLASH_CONSTRAINTS:
+                raise
             # some (account_id, transaction_id) belongs to a committed batch: name them all
             clashes = _clashes(conn, batch)
-            return InsertOutcome("transactions_exist", clashes=clashes) if clashes else None
+            if clashes:
+                return InsertOutcome("transactions_exist", clashes=clashes)
+            if last:
+                raise
+            return None
         if batch_pk is None:
             # a new statement, so a new snapshot: it sees the batch that won the race
             existing = conn.execute(_BATCH_FINGERPRINT, {"batch_id": batch.batch_id}).scalar_one()

@@ -274,9 +274,9 @@ def test_overlapping_batches_raced_in_opposite_orders(
     statements: list[str] = []
     insert_once = db._insert_once
 
-    def counted(engine: Any, batch: Any) -> Any:
+    def counted(engine: Any, batch: Any, **kw: Any) -> Any:
         statements.append(batch.batch_id)
-        return insert_once(engine, batch)
+        return insert_once(engine, batch, **kw)
 
     monkeypatch.setattr(db, "_insert_once", counted)
 
@@ -307,3 +307,20 @@ def test_batch_size_limits_round_trip(
 ) -> None:
     assert submit_batch(make_batch("b-n", n=n), enqueue=False).items == n
     assert counts(db_conn) == (1, n, n)
+
+
+def test_a_unique_violation_that_is_not_a_clash_is_a_database_error(
+    pw_env: PwEnv, db_conn: psycopg.Connection[Any]
+) -> None:
+    """A restore that left the transactions' identity behind the table: the next insert
+    trips the primary key, which no other batch's transaction explains. Before, it was
+    taken for a clash whose owner could not be found, tried three times and raised a bare
+    RuntimeError (a traceback from the CLI; a review found it). Now it is the database
+    error it is, and nothing is saved."""
+    from sqlalchemy.exc import IntegrityError
+
+    assert submit_batch(make_batch("b-1")).status == "accepted"
+    db_conn.execute("ALTER TABLE transactions ALTER COLUMN id RESTART WITH 1")
+    with pytest.raises(IntegrityError, match="transactions_pkey"):
+        submit_batch(make_batch("b-2", tx="other"))
+    assert counts(db_conn) == (1, 3, 3)
