@@ -279,7 +279,8 @@ def after_conflict(
         d = _still_in_doubt(
             found, lookups=lookups, doubt_age=doubt_age, policy=policy, doubt=Doubt.SINCE_DISPATCH
         )
-        return d if d.terminal else replace(d, key_status=KeyStatus.CONFLICT)
+        # kept when it dies unresolved too: its replay's lookup is judged here as well
+        return replace(d, key_status=KeyStatus.CONFLICT)
     return _key_conflict(found, "422 idempotency_key_reused", Doubt.SINCE_DISPATCH)
 
 

@@ -202,9 +202,14 @@ def test_a_404_after_a_conflict_is_for_a_person_never_a_resend() -> None:
     assert (d.status, d.send_now, d.dead_reason) == (TxStatus.DEAD, False, "key_conflict")
 
 
-def test_a_conflict_in_doubt_past_the_in_doubt_bound_is_dead_not_marked() -> None:
+def test_a_conflict_in_doubt_past_the_in_doubt_bound_dies_with_its_key_still_in_conflict() -> None:
+    # an unknown_unresolved item may be replayed: its lookup must be judged as after a 422
     d = after_conflict(r(Outcome.RETRY, 503), REQ, lookups=9, doubt_age=3600.0, policy=POLICY)
-    assert (d.status, d.dead_reason, d.key_status) == (TxStatus.DEAD, "unknown_unresolved", None)
+    assert (d.status, d.dead_reason, d.key_status) == (
+        TxStatus.DEAD,
+        "unknown_unresolved",
+        KeyStatus.CONFLICT,
+    )
 
 
 @pytest.mark.parametrize(("age", "late"), [(None, False), (0.0, False), (77759.0, False)])
