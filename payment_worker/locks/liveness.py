@@ -138,6 +138,9 @@ class Liveness:
         self.interval = interval_ms / 1000
         # a lock is trusted while the last good beat was sent less than this long ago
         self.window = (ttl_ms - margin_ms) / 1000
+        self.margin_ms = margin_ms
+        # a gap was found and the new holder id is not written yet (see _rotate)
+        self._rotating = False
         self._client = client
         self._clock = clock
         # (epoch, clock reading before the last successful beat was sent, the value that
@@ -187,7 +190,7 @@ class Liveness:
                 return False
             replied = self._clock()
             epoch, last, last_value = self._state
-            if epoch > 0:
+            if epoch > 0 and last != float("-inf"):  # (-inf: a gap's beat not yet written)
                 LIVENESS_BEAT_GAP_SECONDS.observe(replied - last)
             if epoch <= 0 or old != last_value:
                 if epoch > 0:
@@ -198,11 +201,13 @@ class Liveness:
                         key_was_missing=old is None,
                         since_last_beat_s=round(replied - last, 3),
                     )
-                    if not self._rotate(value):
-                        LIVENESS_BEATS.labels("error").inc()
-                        return False
+                    # nothing taken before this beat is trusted from now, whatever the new
+                    # holder id's write below does (vouched for once it is written)
+                    self._state = (epoch + 1, float("-inf"), value)
+                    self._wake_waiters()
+                    self._rotating = True
                 epoch = max(epoch, 0) + 1
-            elif replied - last >= self.window:
+            elif not self._rotating and replied - last >= self.window:
                 # late, but the key held the last beat's value: it never lapsed, the locks
                 # stay ours (senders that checked meanwhile waited for this beat)
                 log.warning(
@@ -210,28 +215,36 @@ class Liveness:
                     holder=self.holder_id,
                     since_last_beat_s=round(replied - last, 3),
                 )
+            if self._rotating:
+                if not self._rotate(value):
+                    LIVENESS_BEATS.labels("error").inc()
+                    return False  # not vouched for: the next beat tries again
+                self._rotating = False
             self._state = (epoch, sent, value)
             self._wake_waiters()
             LIVENESS_BEATS.labels("ok").inc()
             return True
 
     def _rotate(self, value: bytes) -> bool:
-        """After a gap: go on under a new holder id, its key written with ``value``, and
-        delete the old id's key (one round trip; False, nothing changed, when it fails).
+        """After a gap: go on under a new holder id, its key written with ``value``, and the
+        old id's key left to expire after the margin (one round trip; False, nothing
+        changed, when it fails). The margin, as for any holder: this process stopped
+        trusting its locks (the gap's new epoch) at least that long before a taker finds
+        the old id dead.
 
         Locks that name the old id are not trusted any more (a new epoch), but a Redis
         restored from a snapshot, or a replica promoted by a failover, can bring back locks
         this process had released since, naming it; alive under the same id, it would keep
-        every taker off them for their whole TTL. Under a new id, the old one is dead: they
-        are taken over at once (and the sweeper, which still finds the old id in the
-        registry, reads the locks)."""
+        every taker off them for their whole TTL. Under a new id, the old one is dead after
+        the margin: they are taken over then (and the sweeper, which still finds the old id
+        in the registry, reads the locks)."""
         old_id, old_key = self.holder_id, self.key
         new_id = make_holder_id()
         new_key = self._keys.alive(new_id)
         pipe = self._client.pipeline(transaction=False)
         pipe.set(new_key, value, px=self.ttl_ms)
         pipe.eval(_REGISTER_LUA, 1, self._registry, new_id)
-        pipe.delete(old_key)
+        pipe.pexpire(old_key, max(1, self.margin_ms))
         try:
             pipe.execute()
         except RedisError as exc:

@@ -61,8 +61,11 @@ class ScriptedRedis:
         self.last_key = key
         return old if get else None
 
-    def delete(self, key: str) -> int:
-        return 1 if self.store.pop(key, None) is not None else 0
+    def pexpire(self, key: str, ms: int) -> int:
+        if self.held(key) is None:
+            return 0
+        self.store[key] = (self.store[key][0], self.clock.now + ms / 1000)
+        return 1
 
     def pipeline(self, transaction: bool) -> ScriptedPipeline:
         assert not transaction
@@ -84,8 +87,8 @@ class ScriptedPipeline:
         assert "ZADD" in script and numkeys == 1 and key == "pw:holders"
         self.calls.append(lambda: self.r.holders.append(holder) or 1)
 
-    def delete(self, key: str) -> None:
-        self.calls.append(lambda: self.r.delete(key))
+    def pexpire(self, key: str, ms: int) -> None:
+        self.calls.append(lambda: self.r.pexpire(key, ms))
 
     def execute(self) -> list[Any]:
         return [call() for call in self.calls]
@@ -145,8 +148,8 @@ def test_a_gap_goes_on_under_a_new_holder_id_and_the_old_one_is_dead(parts: Any)
     """A Redis restored from a snapshot, or a replica promoted by a failover, brings back
     the liveness key with an older beat's value (a gap) and locks this process released
     since, naming it. Under its old id it would look alive and keep takers off those locks
-    for their TTL (a review found it): the old id's key is deleted, and the process beats
-    under a new one from then on."""
+    for their TTL (a review found it): the old id's key expires after the margin (the
+    process stopped trusting its locks at the gap), and it beats under a new one."""
     live, r, clock = parts
     live.beat()
     old_id, old_key = live.holder_id, live.key
@@ -157,7 +160,9 @@ def test_a_gap_goes_on_under_a_new_holder_id_and_the_old_one_is_dead(parts: Any)
     clock.now += 0.5
     assert live.beat() and live.current_epoch() == 2
     assert live.holder_id != old_id and live.key == RedisKeys().alive(live.holder_id)
-    assert r.held(old_key) is None and r.held(live.key) is not None
+    assert r.held(old_key) is not None and r.held(live.key) is not None
+    clock.now += 1.0  # the margin
+    assert r.held(old_key) is None
     assert r.holders[-1] == live.holder_id
     clock.now += 0.5
     assert live.beat() and live.current_epoch() == 2  # the new key goes on unbroken
@@ -166,19 +171,27 @@ def test_a_gap_goes_on_under_a_new_holder_id_and_the_old_one_is_dead(parts: Any)
 def test_a_rotation_that_fails_keeps_the_old_id_and_vouches_for_nothing_new(
     parts: Any,
 ) -> None:
+    """The gap is found within the window (a restored key), and the new id's write fails:
+    the locks of before the gap must not be trusted meanwhile (a review found them trusted
+    until the window ran out, the epoch bumped only with a successful write)."""
     live, r, clock = parts
     live.beat()
-    old_id = live.holder_id
-    clock.now += 5.0  # the key lapsed
-    real_delete = r.delete
+    old_id, old_key = live.holder_id, live.key
+    before = r.value
+    clock.now += 0.5
+    live.beat()
+    r.set(old_key, before, px=3000)  # the restore
+    clock.now += 0.5
+    real_pexpire = r.pexpire
 
-    def refuse(key: str) -> int:
+    def refuse(key: str, ms: int) -> int:
         raise RedisConnectionError("reset")
 
-    r.delete = refuse  # type: ignore[method-assign]
+    r.pexpire = refuse  # type: ignore[method-assign]
     assert not live.beat()
-    assert live.holder_id == old_id and live.current_epoch() is None
-    r.delete = real_delete  # type: ignore[method-assign]
+    # the gap's epoch at once, vouched for by nothing: the old locks are not trusted
+    assert live.holder_id == old_id and live.current_epoch() is None and not live.vouches(1)
+    r.pexpire = real_pexpire  # type: ignore[method-assign]
     assert live.beat() and live.current_epoch() == 2 and live.holder_id != old_id
 
 
