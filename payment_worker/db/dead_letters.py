@@ -42,13 +42,11 @@ _REPLAYABLE = ", ".join(f"'{r}'" for r in REPLAYABLE_REASONS)
 # used up), its row reads "never in doubt" though it was, and a send of it may still have
 # been applied (a paused holder's that left late) and be forgotten by the gateway past its
 # retention. So its first send ever in doubt counts (first_doubt_at, kept since migration
-# 0009); an item ever looked up without that date (dead before 0009) is dated from its
-# creation, as migration 0008 did for the rows it found, never from a later doubt
-# (doubt_since: an earlier send may have been in doubt, cleared by a 404 and paid late):
-# past the trust, a person decides.
-DOUBT_SINCE = (
-    "COALESCE(t.first_doubt_at, CASE WHEN t.lookups > 0 THEN t.created_at END, t.doubt_since)"
-)
+# 0009, which dated the items there were: one ever looked up from its creation, never from a
+# later doubt). A lookup alone proves nothing since (a replay's lookup is not a doubt), so an
+# item whose sends were all answered "not applied" replays at any age, again and again.
+# doubt_since only for the moment a claim's stand-in date has not been recorded yet.
+DOUBT_SINCE = "COALESCE(t.first_doubt_at, t.doubt_since)"
 
 # how a dead letter's state is computed (see the module docstring); ``t`` is its transaction
 _STATE = """CASE WHEN d.resolved_at IS NOT NULL THEN 'resolved'

@@ -104,13 +104,14 @@ def test_an_item_dead_past_the_key_trust_is_refused_whatever_trust_the_tool_runs
     assert _status(db_conn, "b2b") == ("dead", 8)
 
 
-def test_an_item_once_looked_up_is_dated_from_its_creation_not_a_later_doubt(
+def test_an_item_whose_only_lookups_were_its_replays_replays_at_any_age_again(
     rt: runtime.Runtime, db_conn: Any
 ) -> None:
-    """Dead before migration 0009 (no first_doubt_at), ever looked up, its doubt a recent
-    one: an earlier send, cleared by a 404, may have been paid late and forgotten by the
-    gateway since. Before, the recent doubt let the replay through (a review found it)."""
-    dl_id = _dead(db_conn, "b2c", "unknown_unresolved", 60)
+    """Its sends all answered "not applied", replayed, its replay's lookup a 404, sent and
+    answered 503 again, dead again: never in doubt (no first_doubt_at). A lookup alone
+    proves nothing: before, any lookup dated it from its creation, and its second replay
+    was refused past the key trust (a review found it)."""
+    dl_id = _dead(db_conn, "b2c", "retries_exhausted", None)
     db_conn.execute(
         "UPDATE transactions SET lookups = 2, created_at = now() - interval '2 days'"
         " WHERE transaction_id = 'b2c-tx'"
@@ -118,8 +119,8 @@ def test_an_item_once_looked_up_is_dated_from_its_creation_not_a_later_doubt(
     with rt.engine.connect() as c:
         c = c.execution_options(isolation_level="AUTOCOMMIT")
         r = dlq.replay(c, dl_id, TRUST, "tester")
-    assert r.result == dlq.KEY_EXPIRED
-    assert _status(db_conn, "b2c") == ("dead", 8)
+    assert r.result == dlq.REPLAYED
+    assert _status(db_conn, "b2c") == ("unknown", 0)
 
 
 def test_a_never_in_doubt_item_replays_at_any_age(rt: runtime.Runtime, db_conn: Any) -> None:
@@ -337,17 +338,22 @@ def test_an_item_once_looked_up_replays_only_within_the_trust_from_its_creation(
     rt: runtime.Runtime, db_conn: Any
 ) -> None:
     """A 404 cleared the doubt of these items and they died later with no attempt left
-    (``doubt_since`` NULL, ``lookups`` > 0), as the record statement leaves them. A send of
+    (``doubt_since`` NULL, ``lookups`` > 0, their first doubt kept in ``first_doubt_at``,
+    here at their creation), as the claim and the record statement leave them. A send of
     theirs may still have landed after that 404 (a paused holder's): past the key trust from
-    their creation a replay would meet the gateway's forgetting and pay again, so it is
-    refused, and ``show`` says so; within it the replay dates the doubt from the creation,
-    so the next holder judges its 404 by that date. One never looked up replays at any age."""
+    that first doubt a replay would meet the gateway's forgetting and pay again, so it is
+    refused, and ``show`` says so; within it the replay dates the doubt from it, so the next
+    holder judges its 404 by that date. One never in doubt replays at any age."""
     old = _dead(db_conn, "lk-old", "retries_exhausted", None)
     young = _dead(db_conn, "lk-young", "retries_exhausted", None)
     never = _dead(db_conn, "lk-never", "retries_exhausted", None)
     db_conn.execute(
         "UPDATE transactions SET lookups = 2, created_at = now() - CASE transaction_id"
         f" WHEN 'lk-old-tx' THEN interval '{TRUST + 600} seconds' ELSE interval '10 minutes' END"
+        " WHERE transaction_id IN ('lk-old-tx', 'lk-young-tx')"
+    )
+    db_conn.execute(
+        "UPDATE transactions SET first_doubt_at = created_at"
         " WHERE transaction_id IN ('lk-old-tx', 'lk-young-tx')"
     )
     db_conn.execute(

@@ -170,18 +170,20 @@ def test_0009_dates_the_first_doubt_of_open_items_and_allows_a_key_in_conflict(
     db_conn: psycopg.Connection,  # type: ignore[type-arg]
 ) -> None:
     """0009 keeps the first send ever in doubt (a 404 clears doubt_since, but that send may
-    land after it): an open item ever looked up is dated from its creation (its doubt now
-    may be a later one), one in doubt never looked up from its doubt; one never in doubt
-    stays undated. Its down migration turns a key "conflict" into "sent" (maybe applied)."""
+    land after it): an open or dead item ever looked up is dated from its creation (its
+    doubt now may be a later one, a review found a replay let through by it), one in doubt
+    never looked up from its doubt; one never in doubt stays undated. Its down migration
+    turns a key "conflict" into "sent" (maybe applied)."""
     url = pw_env.database_url.replace("postgresql://", "postgresql+psycopg://", 1)
     migrate.downgrade(url, "0008")
     db_conn.execute(
         "INSERT INTO batches (batch_id, account_id, fingerprint, status, item_count)"
-        " VALUES ('mig9', 'acct-mig9', 'fp', 'processing', 5)"
+        " VALUES ('mig9', 'acct-mig9', 'fp', 'processing', 6)"
     )
     for tx, status, lookups, doubt in (
         ("in-doubt", "unknown", 0, "1 hour"),
         ("looked-up", "unknown", 2, "1 hour"),
+        ("dead-looked-up", "dead", 2, "1 minute"),
         ("cleared", "retryable", 2, None),
         ("never", "retryable", 0, None),
         ("done", "succeeded", 1, None),
@@ -194,6 +196,11 @@ def test_0009_dates_the_first_doubt_of_open_items_and_allows_a_key_in_conflict(
             " FROM batches WHERE batch_id = 'mig9'",
             {"tx": tx, "status": status, "lookups": lookups, "doubt": doubt},
         )
+    db_conn.execute(
+        "INSERT INTO dead_letters (transaction_pk, batch_pk, reason)"
+        " SELECT id, batch_pk, 'unknown_unresolved' FROM transactions"
+        " WHERE transaction_id = 'dead-looked-up'"
+    )
     migrate.upgrade(url)
     rows = db_conn.execute(
         "SELECT transaction_id, first_doubt_at = doubt_since, first_doubt_at = created_at,"
@@ -203,6 +210,7 @@ def test_0009_dates_the_first_doubt_of_open_items_and_allows_a_key_in_conflict(
     assert {r[0]: tuple(r[1:]) for r in rows} == {
         "in-doubt": (True, False, False),
         "looked-up": (False, True, False),
+        "dead-looked-up": (False, True, False),  # a dlq replay is refused past the trust
         "cleared": (None, True, False),
         "never": (None, None, True),
         "done": (None, None, True),  # a terminal row: a replay dates it (DOUBT_SINCE)
