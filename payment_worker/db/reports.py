@@ -67,6 +67,9 @@ _REPLAYS_BY_REASON = text(
     " CROSS JOIN LATERAL jsonb_array_elements(d.payload->'replays') r"
     " WHERE d.replay_count > 0 AND jsonb_typeof(d.payload->'replays') = 'array' GROUP BY 1"
 )
+# the totals' statements' bound (each), below the alerting reads' (the caller's): all of a
+# round within the 10 s a Prometheus scrape is given by default
+TOTALS_TIMEOUT_MS = 2000
 STALE_DISPATCH_SECONDS = 600
 """A ``dispatching`` item claimed longer ago than this is in doubt, not on its way: a claim
 stamps a whole chunk (``PROCESS_CHUNK_SIZE``, 20) whose requests then leave one after
@@ -178,7 +181,9 @@ def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnaps
     totals last, in a savepoint: a totals read that runs out of time leaves the rest read
     (``totals_read`` False), so a big database never blinds the alerts."""
     conn.execute(text(f"SET LOCAL statement_timeout = {int(statement_timeout_ms)}"))
-    conn.execute(text("SET LOCAL transaction_read_only = on"))
+    # one snapshot for every read: an item or a batch that ends between two of them is
+    # counted once, not in neither or in both
+    conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
     tx = {str(s): int(n) for s, n in conn.execute(_OPEN_TX_BY_STATUS)}
     work = conn.execute(_OPEN_WORK).one()
     totals = conn.execute(_DEAD_LETTER_TOTALS).all()
@@ -187,6 +192,8 @@ def state_snapshot(conn: Connection, *, statement_timeout_ms: int) -> StateSnaps
     totals_read = True
     try:
         with conn.begin_nested():
+            # their own, shorter bound: a scrape must end within Prometheus's timeout
+            conn.execute(text(f"SET LOCAL statement_timeout = {TOTALS_TIMEOUT_MS}"))
             terminal, batches = _totals(conn)
         tx.update(terminal)
     except OperationalError as exc:  # QueryCanceled: the statement timeout

@@ -330,6 +330,7 @@ def _key_conflict(found: GatewayResult, what: str, doubt: Doubt) -> Decision:
         TxStatus.DEAD,
         error_class="key_conflict",
         error=f"{what}; the gateway holds: {held}",
+        key_status=KeyStatus.CONFLICT,
         dead_reason=DeadReason.KEY_CONFLICT,
         doubt=doubt,
     )

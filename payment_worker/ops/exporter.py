@@ -297,13 +297,15 @@ class StateCollector(Collector):
                     error=str(exc)[:300],
                 )
                 source_up.add_metric([name], 0)
-                all_up = False
+                # the totals alone missing leave every alerting gauge read: not "down"
+                all_up = all_up and name == "postgres_totals"
                 continue
             source_up.add_metric([name], 1)
             out += got
         up = _gauge(
             "payment_worker_exporter_up",
-            "1 if the exporter's last read of every source worked, else 0.",
+            "1 if the exporter's last read of every source worked (the totals aside: their"
+            " own source_up), else 0.",
             1 if all_up else 0,
         )
         duration = _gauge(

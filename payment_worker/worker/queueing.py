@@ -67,13 +67,19 @@ class _PublishSlots:
 
     def __init__(self) -> None:
         self._pid = -1
-        self._slots = threading.BoundedSemaphore(1)
+        self._slots: threading.BoundedSemaphore | None = None
+        self._made = threading.Lock()
 
     def acquire(self) -> threading.BoundedSemaphore:
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._slots = threading.BoundedSemaphore(max(1, int(app.conf.broker_pool_limit or 10)))
         slots = self._slots
+        if slots is None or self._pid != os.getpid():
+            with self._made:  # one semaphore per process, made once, the pid written last
+                if self._slots is None or self._pid != os.getpid():
+                    limit = max(1, int(app.conf.broker_pool_limit or 10))
+                    self._slots = threading.BoundedSemaphore(limit)
+                    self._pid = os.getpid()
+                slots = self._slots
+        assert slots is not None
         if not slots.acquire(timeout=PUBLISH_WAIT_SECONDS):
             raise PublishBusy(
                 f"no broker connection free within {PUBLISH_WAIT_SECONDS:.0f} s: "
