@@ -117,7 +117,8 @@ def test_key_status_is_written_with_each_outcome(
         "tx-declined": ("failed", "declined", 1),
         # 422, then the lookup shows the gateway holds another body's payment under the
         # key: a conflict for a person, never "failed" (the gateway did not say no)
-        "tx-reused": ("dead", "sent", 1),
+        # (the key says so too)
+        "tx-reused": ("dead", "conflict", 1),
     }
     # the pre-send, then one send per item
     assert _sends(gateway_sim) == [
