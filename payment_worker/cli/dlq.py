@@ -35,7 +35,7 @@ from payment_worker.db import dead_letters as store
 from payment_worker.domain.statuses import DeadReason
 from payment_worker.errors import PaymentWorkerError
 from payment_worker.ops.logging import get_logger
-from payment_worker.ops.redaction import mask_account_number, redact
+from payment_worker.ops.redaction import mask_account_number, redact, redact_strings
 from payment_worker.runtime import Runtime
 from payment_worker.settings import load_settings
 
@@ -183,19 +183,8 @@ def _row_json(d: store.DeadLetter) -> dict[str, Any]:
     if out.get("resolution_note") is not None:
         out["resolution_note"] = redact(str(out["resolution_note"]))
     if isinstance(out.get("payload"), dict) and "args" in out["payload"]:
-        out["payload"] = {**out["payload"], "args": _masked(out["payload"]["args"])}
+        out["payload"] = {**out["payload"], "args": redact_strings(out["payload"]["args"])}
     return out
-
-
-def _masked(value: Any) -> Any:
-    """``value`` with every string in it masked (its shape kept: the JSON fields stay)."""
-    if isinstance(value, str):
-        return redact(value)
-    if isinstance(value, list):
-        return [_masked(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _masked(v) for k, v in value.items()}
-    return value
 
 
 def _cell(value: object, width: int | None = None) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "mask_url",
     "mask_urls",
     "redact",
+    "redact_strings",
     "url_password",
 ]
 
@@ -118,6 +120,18 @@ def mask_account_number(number: object) -> str:
 def redact(text: str) -> str:
     """What may be shown of an error text: URL passwords and account numbers masked."""
     return mask_account_numbers(mask_urls(text))
+
+
+def redact_strings(value: Any) -> Any:
+    """``value`` (JSON-like: lists, dicts, scalars) with :func:`redact` applied to every
+    string in it, its shape kept."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, list):
+        return [redact_strings(v) for v in value]
+    if isinstance(value, dict):
+        return {k: redact_strings(v) for k, v in value.items()}
+    return value
 
 
 class SecretScrubber:

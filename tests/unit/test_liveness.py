@@ -144,6 +144,20 @@ def test_a_beat_after_a_gap_starts_a_new_epoch(parts: Any) -> None:
     assert live.current_epoch() == 2 and not live.vouches(1)
 
 
+def _restored(live: Liveness, r: ScriptedRedis, clock: Clock) -> tuple[str, str]:
+    """Two beats, then the liveness key restored with the first's value (a snapshot taken
+    between them), half a second on: the next beat finds a gap within the window. Returns
+    the holder id and key of before."""
+    live.beat()
+    old_id, old_key = live.holder_id, live.key
+    before = r.value
+    clock.now += 0.5
+    live.beat()
+    r.set(old_key, before, px=3000)
+    clock.now += 0.5
+    return old_id, old_key
+
+
 def test_a_gap_goes_on_under_a_new_holder_id_and_the_old_one_is_dead(parts: Any) -> None:
     """A Redis restored from a snapshot, or a replica promoted by a failover, brings back
     the liveness key with an older beat's value (a gap) and locks this process released
@@ -151,13 +165,7 @@ def test_a_gap_goes_on_under_a_new_holder_id_and_the_old_one_is_dead(parts: Any)
     for their TTL (a review found it): the old id's key expires after the margin (the
     process stopped trusting its locks at the gap), and it beats under a new one."""
     live, r, clock = parts
-    live.beat()
-    old_id, old_key = live.holder_id, live.key
-    before = r.value
-    clock.now += 0.5
-    live.beat()
-    r.set(old_key, before, px=3000)  # the restore: an older beat's value
-    clock.now += 0.5
+    old_id, old_key = _restored(live, r, clock)
     assert live.beat() and live.current_epoch() == 2
     assert live.holder_id != old_id and live.key == RedisKeys().alive(live.holder_id)
     assert r.held(old_key) is not None and r.held(live.key) is not None
@@ -175,13 +183,7 @@ def test_a_rotation_that_fails_keeps_the_old_id_and_vouches_for_nothing_new(
     the locks of before the gap must not be trusted meanwhile (a review found them trusted
     until the window ran out, the epoch bumped only with a successful write)."""
     live, r, clock = parts
-    live.beat()
-    old_id, old_key = live.holder_id, live.key
-    before = r.value
-    clock.now += 0.5
-    live.beat()
-    r.set(old_key, before, px=3000)  # the restore
-    clock.now += 0.5
+    old_id, _ = _restored(live, r, clock)
     real_pexpire = r.pexpire
 
     def refuse(key: str, ms: int) -> int:
