@@ -413,6 +413,7 @@ def test_an_account_whose_message_waits_behind_a_backlog_is_not_repaired_twice(
     ``queued`` mark and the age of the oldest waiting message tell waiting from lost."""
     from payment_worker.worker.celery_app import app
     from payment_worker.worker.queueing import ENQUEUED_HEADER, PROCESS_TASK, enqueue_batch
+    from payment_worker.worker.sweeper import waited_memory_ms
 
     for n in ("a", "b", "c"):
         _save(f"b-{n}", f"acct-{n}", srt)
@@ -446,11 +447,15 @@ def test_an_account_whose_message_waits_behind_a_backlog_is_not_repaired_twice(
     assert run_sweep(srt)["reenqueued"] == ["b-a"]
     # messages are taken oldest first: while b-a's repair (published after b-b's message)
     # waits, b-b's message may still be on a worker's way; once the queue has moved on (a
-    # worker took b-a's), b-b's is known lost after STALE at the latest
+    # worker took b-a's), b-b's is known lost when the pass's memory of b-a's waiting
+    # message ends (waited_memory_ms: STALE plus two intervals, 3 s here) at the latest.
+    # The wait allows STALE more: with the memory's length alone it raced the key's expiry
+    # and failed on a loaded CI host
     result = run_sweep(srt)
     assert (result["queued"], result["reenqueued"]) == (3, [])
     broker.delete("payments")
-    wait_until(lambda: "b-b" in run_sweep(srt)["reenqueued"], STALE * 3, "b-b repaired")
+    memory = waited_memory_ms(srt.settings) / 1000
+    wait_until(lambda: "b-b" in run_sweep(srt)["reenqueued"], memory + STALE, "b-b repaired")
     assert "b-b" in broker_messages(pw_env)
 
 
