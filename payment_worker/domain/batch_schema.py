@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
 
@@ -44,13 +45,30 @@ DESCRIPTION_MAX_LENGTH = 255
 # batches, batch, items, item, beneficiary). Well below Python's recursion limit, so that
 # parsing and anything recursive after it (validation, json.dumps) never run out of stack.
 MAX_JSON_DEPTH = 32
+# longest integer :func:`loads` accepts, in digits: an amount is at most a PostgreSQL bigint (19
+# digits), so this refuses nothing a batch can hold, and past Python's own limit (4,300) the
+# message would have named ``sys.set_int_max_str_digits`` instead of the input
+MAX_INT_DIGITS = 40
 
 _CURRENCY = re.compile(r"[A-Z]{3}")
 _IDENT_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+# the zero-width non-joiner and joiner: invisible, yet part of how names are spelled in
+# Persian, the Indic scripts and others ("محمد‌رضا"), so a name or description may hold them.
+# Every other format character stays refused (a bidi override reorders what on-call reads)
+_JOINERS = str.maketrans("", "", "\u200c\u200d")
+
+
 def _printable(value: str) -> str:
     if not value.isprintable():
+        raise ValueError("must contain printable characters only (no control characters)")
+    return value
+
+
+def _text(value: str) -> str:
+    """Free text (a name, a description): printable, joiners allowed."""
+    if not value.translate(_JOINERS).isprintable():
         raise ValueError("must contain printable characters only (no control characters)")
     return value
 
@@ -60,6 +78,10 @@ def _identifier(value: str) -> str:
     # "tx-1" and "tx-1 " would be two different transactions: refuse the ambiguity
     if value != value.strip():
         raise ValueError("must not start or end with whitespace")
+    # so would "tx-é" composed and decomposed (two code point sequences, one text): the same
+    # payment sent again by a producer that normalises differently would be paid twice
+    if not unicodedata.is_normalized("NFC", value):
+        raise ValueError("must be in Unicode normalization form NFC")
     # an account id is a segment of the gateway's URL paths, and "." or ".." there is a dot
     # segment that a proxy or the gateway may resolve to another path (RFC 3986, 5.2.4)
     if value in (".", ".."):
@@ -70,6 +92,13 @@ def _identifier(value: str) -> str:
 def _not_blank(value: str) -> str:
     _printable(value)
     if not value.strip():
+        raise ValueError("must not be blank")
+    return value
+
+
+def _name(value: str) -> str:
+    _text(value)
+    if not value.translate(_JOINERS).strip():
         raise ValueError("must not be blank")
     return value
 
@@ -99,10 +128,10 @@ AccountNumber = Annotated[
     AfterValidator(_not_blank),
 ]
 Name = Annotated[
-    str, StringConstraints(min_length=1, max_length=NAME_MAX_LENGTH), AfterValidator(_not_blank)
+    str, StringConstraints(min_length=1, max_length=NAME_MAX_LENGTH), AfterValidator(_name)
 ]
 Description = Annotated[
-    str, StringConstraints(max_length=DESCRIPTION_MAX_LENGTH), AfterValidator(_printable)
+    str, StringConstraints(max_length=DESCRIPTION_MAX_LENGTH), AfterValidator(_text)
 ]
 
 
@@ -321,7 +350,8 @@ def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 class RefusedJSON(PaymentWorkerError, ValueError):
     """Well-formed JSON that :func:`loads` refuses all the same: nested deeper than
-    :data:`MAX_JSON_DEPTH`, or holding a string that is not Unicode text."""
+    :data:`MAX_JSON_DEPTH`, holding a string that is not Unicode text, or an integer longer
+    than :data:`MAX_INT_DIGITS`."""
 
 
 # everything up to the next bracket outside a string, and that bracket. A string is taken
@@ -400,19 +430,31 @@ def _lone_surrogate(value: Any) -> str | None:
 def loads(text: str | bytes) -> Any:
     """Decode JSON strictly: duplicate keys, NaN and Infinity are errors (``ValueError``).
 
-    Nesting deeper than :data:`MAX_JSON_DEPTH` and lone surrogates are refused with
-    :class:`RefusedJSON` (a ``ValueError`` too): nothing downstream has to cope with either.
+    Nesting deeper than :data:`MAX_JSON_DEPTH`, lone surrogates and integers longer than
+    :data:`MAX_INT_DIGITS` are refused with :class:`RefusedJSON` (a ``ValueError`` too):
+    nothing downstream has to cope with them.
     """
 
     def _no_constant(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
+
+    def _int(digits: str) -> int:
+        length = len(digits.lstrip("-"))
+        if length > MAX_INT_DIGITS:
+            raise RefusedJSON(f"a number {length:,} digits long (at most {MAX_INT_DIGITS})")
+        return int(digits)
 
     if isinstance(text, bytes):
         # decoded here, strictly (json.loads would let encoded surrogates through), so that
         # the depth scan reads exactly the text that is parsed
         text = text.decode(json.detect_encoding(text))
     check_depth(text)
-    value = json.loads(text, object_pairs_hook=reject_duplicate_keys, parse_constant=_no_constant)
+    value = json.loads(
+        text,
+        object_pairs_hook=reject_duplicate_keys,
+        parse_constant=_no_constant,
+        parse_int=_int,
+    )
     # a string with a lone surrogate cannot be written as UTF-8: not to stdout, not to
     # PostgreSQL, not to the gateway. Text read from a file holds no surrogate, so only an
     # escape can make one; the walk is skipped unless there is one of either

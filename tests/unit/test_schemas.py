@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
+import unicodedata
 from typing import Any
 
 import pytest
 
 from payment_worker.domain.batch_schema import (
+    MAX_INT_DIGITS,
     MAX_JSON_DEPTH,
     InvalidBatch,
     RefusedJSON,
@@ -96,6 +98,46 @@ def test_identifiers_are_non_empty_printable_bounded_strings(field: str, value: 
 @pytest.mark.parametrize("value", ["", "x" * 129, 7, "a\u0000b", ".."], ids=repr)
 def test_transaction_id_is_checked_like_the_other_ids(value: Any) -> None:
     assert paths(batch(item(tx=value))) == ["$.items[0].transaction_id"]
+
+
+def test_an_identifier_must_be_nfc() -> None:
+    """One text in two code point sequences would be two transactions: a producer that sends
+    the same payment normalised otherwise would pay it twice."""
+    decomposed = unicodedata.normalize("NFD", "tx-café")
+    assert decomposed != "tx-café"
+    errs = errors_of(batch(item(tx=decomposed), account_id=unicodedata.normalize("NFD", "Å")))
+    assert errs == [
+        {"path": "$.account_id", "message": "must be in Unicode normalization form NFC"},
+        {
+            "path": "$.items[0].transaction_id",
+            "message": "must be in Unicode normalization form NFC",
+        },
+    ]
+    b = parse_batch(batch(item(tx="tx-café"), account_id="Å"), **LIMITS)
+    assert b.items[0].transaction_id == "tx-café"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["\u0645\u062d\u0645\u062f\u200c\u0631\u0636\u0627", "क्\u200dष", "Anne-Marie"],
+    ids=["zwnj-persian", "zwj-devanagari", "ascii"],
+)
+def test_names_and_descriptions_may_hold_the_joiners_their_script_needs(name: str) -> None:
+    b = parse_batch(
+        batch(item(beneficiary={**item()["beneficiary"], "name": name}, description=name)), **LIMITS
+    )
+    assert (b.items[0].beneficiary.name, b.items[0].description) == (name, name)
+
+
+@pytest.mark.parametrize("name", ["a\u202eb", "a\u200bb", "\u200c\u200d", "a\x00"], ids=repr)
+def test_other_invisible_characters_stay_refused_in_a_name(name: str) -> None:
+    # a bidi override (what on-call reads reordered), a zero-width space, joiners alone
+    errs = errors_of(batch(item(beneficiary={**item()["beneficiary"], "name": name})))
+    assert [e["path"] for e in errs] == ["$.items[0].beneficiary.name"]
+
+
+def test_joiners_stay_refused_in_identifiers() -> None:
+    assert paths(batch(item(tx="tx\u200d1"))) == ["$.items[0].transaction_id"]
 
 
 def test_dots_are_fine_inside_an_identifier() -> None:
@@ -232,6 +274,18 @@ def test_loads_is_strict(text: str) -> None:
 
 def test_loads_accepts_plain_json() -> None:
     assert loads(b'{"items": [1, 2]}') == {"items": [1, 2]}
+
+
+def test_loads_refuses_a_huge_integer_by_its_length() -> None:
+    """Past Python's 4,300 digits the message named ``sys.set_int_max_str_digits``; an
+    amount has at most 19 digits, so 40 refuses nothing a batch can hold."""
+    assert loads('{"amount": -%s}' % ("9" * MAX_INT_DIGITS)) == {
+        "amount": -int("9" * MAX_INT_DIGITS)
+    }
+    for digits in (MAX_INT_DIGITS + 1, 5_000):
+        with pytest.raises(RefusedJSON) as info:
+            loads('{"amount": %s}' % ("1" * digits))
+        assert str(info.value) == f"a number {digits:,} digits long (at most {MAX_INT_DIGITS})"
 
 
 # 100,000 levels: far past Python's recursion limit, the input that used to crash the CLI
