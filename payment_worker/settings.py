@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -21,7 +21,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
 
 from payment_worker.ops.redaction import mask_url
 
@@ -38,6 +39,9 @@ DEAD_LETTER_RETRY_MAX_SECONDS = 300
 
 _PG_SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
 _REDIS_SCHEMES = {"redis", "rediss", "unix"}
+# kombu's Redis transport has no unix:// URLs (its own spelling is redis+socket://, which
+# redis-py, reading the same broker for the sweeper, does not know)
+_BROKER_SCHEMES = {"redis", "rediss"}
 
 
 def _check_url(value: str | None, schemes: set[str], what: str) -> str | None:
@@ -76,7 +80,9 @@ def is_local_gateway(url: str) -> bool:
 class Settings(BaseSettings):
     """Service settings; field names are the environment variables, upper-cased."""
 
-    model_config = SettingsConfigDict(extra="ignore", case_sensitive=False)
+    # no inf or nan in any float: SWEEPER_INTERVAL=inf would end the repair thread at its
+    # first wait, LOCK_MAX_STALL_SECONDS=inf switch the stall bound off without a word
+    model_config = SettingsConfigDict(extra="ignore", case_sensitive=False, allow_inf_nan=False)
 
     # --- services -------------------------------------------------------------------------
     database_url: str | None = None
@@ -130,7 +136,11 @@ class Settings(BaseSettings):
     gateway_pool_size: int = Field(20, ge=1)
     # per-account request quota, requests/s; overrides: JSON object {"acct-1": 5}
     gateway_rate_per_second: float = Field(20.0, gt=0)
-    gateway_rate_overrides: dict[str, float] = Field(default_factory=dict)
+    # NoDecode: decoded by the validator below, so that bad JSON is one line naming the
+    # variable (pydantic-settings' own decoding raised past it: a traceback)
+    gateway_rate_overrides: Annotated[dict[str, Annotated[float, Field(gt=0)]], NoDecode] = Field(
+        default_factory=dict
+    )
     # refresh a token ahead of expiry; the lead is drawn between half and all of this share of
     # its lifetime (jitter, so many accounts do not refresh together). 0.1 measured best:
     # 1.00 tokens per account per TTL, no 401 (docs/benchmarks.md)
@@ -238,7 +248,8 @@ class Settings(BaseSettings):
     # --- observability --------------------------------------------------------------------
     # 9808 is celery-exporter's default: ours must not collide with it on one host
     metrics_port: int = Field(9810, ge=0, le=65535)
-    exporter_port: int = Field(9809, ge=0, le=65535)
+    # 0 would bind a port nobody knows (Prometheus and the compose health check need it)
+    exporter_port: int = Field(9809, ge=1, le=65535)
     # the exporter queries Postgres and Redis at most once per this long (scrapes share it)
     exporter_cache_seconds: float = Field(10.0, ge=0)
     log_level: str = "INFO"
@@ -254,10 +265,26 @@ class Settings(BaseSettings):
     def _database_url(cls, v: str | None) -> str | None:
         return _check_url(v, _PG_SCHEMES, "PostgreSQL")
 
-    @field_validator("redis_url", "celery_broker_url")
+    @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, v: str | None) -> str | None:
         return _check_url(v, _REDIS_SCHEMES, "Redis")
+
+    @field_validator("celery_broker_url")
+    @classmethod
+    def _broker_url(cls, v: str | None) -> str | None:
+        if v and urlsplit(v).scheme == "unix":
+            raise ValueError(
+                "Celery's Redis transport takes no unix:// URL: give the broker a redis:// "
+                "or rediss:// URL"
+            )
+        return _check_url(v, _BROKER_SCHEMES, "Redis")
+
+    @field_validator("worker_concurrency", mode="before")
+    @classmethod
+    def _unset_when_empty(cls, v: Any) -> Any:
+        # WORKER_CONCURRENCY= (compose's ${X:-}) means unset, as for LOG_JSON and the URLs
+        return None if isinstance(v, str) and not v.strip() else v
 
     @field_validator("gateway_url")
     @classmethod
@@ -310,11 +337,25 @@ class Settings(BaseSettings):
     @classmethod
     def _overrides(cls, v: Any) -> Any:
         if isinstance(v, str):
-            return json.loads(v) if v.strip() else {}
+            if not v.strip():
+                return {}
+            try:
+                return json.loads(v)
+            except ValueError:
+                raise ValueError(
+                    "expected a JSON object of account ids and requests per second, e.g. "
+                    '{"acct-1": 5}'
+                ) from None
         return v
 
     @model_validator(mode="after")
     def _limits(self) -> Settings:
+        if self.celery_broker_url is None and (self.redis_url or "").startswith("unix:"):
+            raise ValueError(
+                "CELERY_BROKER_URL must be set (a redis:// or rediss:// URL) when REDIS_URL is "
+                "a unix:// socket: the broker would be that URL, and Celery's Redis transport "
+                "takes no unix:// URL"
+            )
         if self.task_time_limit >= self.visibility_timeout:
             raise ValueError("TASK_TIME_LIMIT must be below VISIBILITY_TIMEOUT")
         if self.task_soft_time_limit >= self.task_time_limit:
@@ -419,11 +460,17 @@ def describe_error(exc: ValidationError) -> str:
     """One line naming the offending environment variable(s)."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "settings"
-        name = loc.upper() if err["loc"] else "settings"
         msg = str(err["msg"]).removeprefix("Value error, ")
-        parts.append(f"{name}: {msg}")
-    return "invalid setting " + "; ".join(parts)
+        # a cross-field rule has no location: its message names the variables itself
+        loc = err["loc"]
+        if not loc:
+            parts.append(msg)
+            continue
+        # the variable upper-cased, a key inside its value as written (an account id)
+        where = str(loc[0]).upper() + "".join(f"[{json.dumps(str(k))}]" for k in loc[1:])
+        parts.append(f"{where}: {msg}")
+    lead = "invalid setting " if all(e["loc"] for e in exc.errors()) else "invalid settings: "
+    return lead + "; ".join(parts)
 
 
 def load_settings() -> Settings:
@@ -436,4 +483,8 @@ def load_settings() -> Settings:
         return Settings()
     except ValidationError as exc:
         print(f"payment-worker: {describe_error(exc)}", file=sys.stderr)
+        raise SettingsError(2) from None
+    except SourceError as exc:
+        # a value the settings source could not decode before any validator ran
+        print(f"payment-worker: invalid setting {exc}", file=sys.stderr)
         raise SettingsError(2) from None

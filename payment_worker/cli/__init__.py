@@ -14,6 +14,17 @@ from payment_worker.settings import load_settings
 __all__ = ["build_parser", "main"]
 
 
+def _port(text: str) -> int:
+    """A TCP port to listen on, 1 to 65535 (argparse's one-line error otherwise)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``payment-worker``."""
     p = argparse.ArgumentParser(prog="payment-worker", description=__doc__)
@@ -68,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("exporter", help="serve Postgres state gauges on EXPORTER_PORT /metrics")
     ex.add_argument("--host", default="0.0.0.0")
-    ex.add_argument("--port", type=int, default=None, help="default: EXPORTER_PORT")
+    ex.add_argument("--port", type=_port, default=None, help="default: EXPORTER_PORT")
     ex.set_defaults(func=ops.exporter)
     return p
 

@@ -16,6 +16,7 @@ results. A source that cannot be read sets ``payment_worker_exporter_source_up{s
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -332,9 +333,18 @@ def build_registry(sources: Sources, cache_seconds: float = 0.0) -> CollectorReg
 
 
 def serve(port: int, sources: Sources, cache_seconds: float, host: str = "0.0.0.0") -> None:
-    """Serve /metrics on ``host:port`` until interrupted."""
+    """Serve /metrics on ``host:port`` until interrupted. A port that cannot be bound ends
+    the command: one line on stderr, exit code 1 (as a worker's METRICS_PORT)."""
     registry = build_registry(sources, cache_seconds)
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        print(
+            f"payment-worker exporter: cannot serve metrics on {host}:{port}: "
+            f"{exc.strerror or exc} (EXPORTER_PORT, or --port)",
+            file=sys.stderr,
+        )
+        raise SystemExit(1) from None
     log.info("exporter_listening", host=host, port=server.server_port)
     try:
         while thread.is_alive():

@@ -5,6 +5,7 @@ naming the problem and exit code 1, never a traceback, and never a batch's benef
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -79,3 +80,25 @@ def test_a_schema_that_is_not_there_says_what_to_run_and_shows_no_beneficiary(
     assert run("db", "upgrade", env={}).returncode == 0
     again = run("submit", SAMPLE, env={})
     assert again.returncode == 0, again.stderr
+
+
+def test_an_exporter_port_in_use_is_one_line_and_exit_1(pw_env: PwEnv) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run("exporter", "--host", "127.0.0.1", "--port", str(port), env={})
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    problem = _problem_lines(proc.stderr)
+    assert len(problem) == 1, proc.stderr
+    assert problem[0].startswith(
+        f"payment-worker exporter: cannot serve metrics on 127.0.0.1:{port}"
+    )
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "x"])
+def test_an_exporter_port_out_of_range_is_a_usage_error(pw_env: PwEnv, port: str) -> None:
+    proc = run("exporter", "--port", port, env={})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "--port" in proc.stderr

@@ -185,3 +185,84 @@ def test_the_edges_of_those_rules_are_accepted(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("RETRY_MAX_DELAY", "200")
     s = Settings()
     assert (s.lock_ttl_ms, s.visibility_timeout) == (3000, 600)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        # pydantic-settings decoded the JSON before any validator: a traceback, not a line
+        ("{bad", "GATEWAY_RATE_OVERRIDES: expected a JSON object of account ids"),
+        ("[1]", "GATEWAY_RATE_OVERRIDES: Input should be a valid dictionary"),
+        # a rate of 0 divided by zero at the account's first request
+        ('{"acct-1": 0}', 'GATEWAY_RATE_OVERRIDES["acct-1"]: Input should be greater than 0'),
+        ('{"acct-1": -5}', 'GATEWAY_RATE_OVERRIDES["acct-1"]: Input should be greater than 0'),
+    ],
+)
+def test_bad_rate_overrides_are_one_line(
+    monkeypatch: pytest.MonkeyPatch, value: str, message: str
+) -> None:
+    monkeypatch.setenv("GATEWAY_RATE_OVERRIDES", value)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    line = describe_error(info.value)
+    assert line.startswith("invalid setting " + message), line
+    assert "\n" not in line
+
+
+def test_empty_values_mean_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    # compose's ${X:-} hands an empty string to the worker
+    monkeypatch.setenv("GATEWAY_RATE_OVERRIDES", " ")
+    monkeypatch.setenv("WORKER_CONCURRENCY", "")
+    s = Settings()
+    assert (s.gateway_rate_overrides, s.worker_concurrency) == ({}, None)
+
+
+@pytest.mark.parametrize("var", ["SWEEPER_INTERVAL", "LOCK_MAX_STALL_SECONDS", "LOCK_WAIT_TIMEOUT"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_no_float_setting_takes_inf_or_nan(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
+    # SWEEPER_INTERVAL=inf ended the repair thread at its first wait (OverflowError)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    assert describe_error(info.value).startswith(f"invalid setting {var}: ")
+
+
+def test_the_broker_takes_no_unix_socket_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kombu has no unix:// transport: a worker died at start with a KeyError's traceback."""
+    monkeypatch.setenv("REDIS_URL", "unix:///tmp/redis.sock?db=0")
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    line = describe_error(info.value)
+    assert line.startswith("invalid settings: CELERY_BROKER_URL must be set"), line
+    monkeypatch.setenv("CELERY_BROKER_URL", "unix:///tmp/redis.sock?db=1")
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    assert describe_error(info.value).startswith("invalid setting CELERY_BROKER_URL: ")
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/1")
+    assert Settings().redis_url == "unix:///tmp/redis.sock?db=0"  # the app's Redis may be one
+
+
+def test_a_cross_field_rule_reads_as_one_sentence() -> None:
+    with pytest.raises(ValidationError) as info:
+        Settings(task_time_limit=99_999)
+    assert describe_error(info.value) == (
+        "invalid settings: TASK_TIME_LIMIT must be below VISIBILITY_TIMEOUT"
+    )
+
+
+def test_cli_bad_rate_overrides_one_line_exit_2() -> None:
+    env = {"GATEWAY_RATE_OVERRIDES": "{oops", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "payment_worker.cli", "status", "--all"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "payment-worker: invalid setting GATEWAY_RATE_OVERRIDES: expected a JSON object of "
+        'account ids and requests per second, e.g. {"acct-1": 5}'
+    ], proc.stderr
