@@ -98,11 +98,16 @@ async def token(request: web.Request) -> web.Response:
     acct.log.append(entry)
     try:
         ans = await _token(st, client_id, body.get("client_secret"))
+        entry[2] = ans.after if ans.after in RESET_AFTER else ans.status
+        st.ledger.statuses[str(entry[2])] += 1
+        if ans.after == "slow":
+            await asyncio.sleep(st.config.slow_seconds)
+        elif ans.after in RESET_AFTER:
+            _reset_connection(request)
+            return web.Response(status=204)  # never written: the connection is gone
+        return _respond(ans)
     finally:
         st.end(client_id, acct)
-    entry[2] = ans.status
-    st.ledger.statuses[str(ans.status)] += 1
-    return _respond(ans)
 
 
 async def _token(st: SimState, account_id: str, secret: Any) -> Answer:
@@ -112,15 +117,28 @@ async def _token(st: SimState, account_id: str, secret: Any) -> Answer:
         st.ledger.http_401_invalid_client += 1
         return Answer(401, {"error": "invalid_client"})
     scripted = st.next_scripted(account_id, "token")
+    if scripted is not None and scripted["fault"] in ("lost", "slow"):
+        # issued (every earlier token of the account revoked at once), and the answer never
+        # comes (the connection reset) or comes late: what a client must survive without
+        # a 401 per request or a stampede of token requests
+        ans = _issued(st, account_id)
+        ans.after = scripted["fault"]
+        return ans
     if scripted is not None and scripted["fault"] != "429":
         code = int(scripted["fault"]) if scripted["fault"].isdigit() else 500
-        return Answer(code, {"error": ERROR_CODES.get(code, "error")})
+        # a 504 has no body (the protocol's "timeout, reset connection, 504": none)
+        return Answer(code, None if code == 504 else {"error": ERROR_CODES.get(code, "error")})
     wait = st.token_rate_wait(account_id)
     if scripted is not None or wait > 0:
         st.ledger.http_429["scripted" if scripted else "token"] += 1
         seconds = float(scripted.get("retry_after", 1)) if scripted else wait
         return _rate_limited(retry_after_header(seconds))
-    ttl = c.token_ttl
+    return _issued(st, account_id)
+
+
+def _issued(st: SimState, account_id: str) -> Answer:
+    """A new token for the account (its earlier ones revoked), as a 200 answer."""
+    ttl = st.config.token_ttl
     return Answer(
         200,
         {

@@ -324,7 +324,7 @@ class TokenManager:
                 self._remember(account_id, cur.token, cur.remaining_ms - cur.lead_ms)
                 return cur.token
             if verdict == "refresh":
-                return self._refresh_owned(account_id, owner)
+                return self._refresh_owned(account_id, owner, rejected=rejected)
             if cur is not None and cur.token != rejected:
                 # due, but someone else is refreshing (or the account cools down): it is
                 # still valid
@@ -362,8 +362,9 @@ class TokenManager:
 
     def _pause(self, account_id: str, failed: GatewayResult, refused: str | None = None) -> None:
         """A token request got no token: pause the account's next ones (see _PAUSE_FIRST).
-        ``refused``: the token that ended the last pause early and was refused since: read
-        again, it does not end this one."""
+        ``refused``: a token the gateway refused (the one that ended the last pause early,
+        or the one whose 401 led to the failed request): read again, it does not end this
+        one."""
         now = time.monotonic()
         before = self._paused.get(account_id)
         # "in a row": a failure long after the last pause ended starts again from 1 s
@@ -382,20 +383,31 @@ class TokenManager:
 
     # --- internals ----------------------------------------------------------------------
     def _refresh_owned(
-        self, account_id: str, owner: str, sent: SentRequest | None = None
+        self,
+        account_id: str,
+        owner: str,
+        sent: SentRequest | None = None,
+        rejected: str | None = None,
     ) -> str | GatewayResult:
         """Refresh under the refresh lock ``owner`` holds (reading the answer of ``sent``,
         a request already sent, when given); the lock is released whatever happens (by the
-        store, or here)."""
+        store, or here). ``rejected``: the token whose 401 led here: with no new token it
+        leaves the shared hash too (every process would send it again, a 401 each)."""
         stored = False
         try:
-            token, stored = self._refresh(account_id, owner, sent)
+            token, stored = self._refresh(account_id, owner, sent, rejected)
             return token
         finally:
             if not stored:
                 # nothing stored (a failed request, an expired lock, an error): the lock
                 # goes now, not at its TTL, so another process may try at once
-                self._release(keys=[self.lock_key(account_id)], args=[owner])
+                if rejected is None:
+                    self._release(keys=[self.lock_key(account_id)], args=[owner])
+                else:
+                    self._release(
+                        keys=[self.lock_key(account_id), self.token_key(account_id)],
+                        args=[owner, rejected],
+                    )
 
     def _claim_token(
         self, account_id: str, owner: str, rejected: str | None
@@ -414,7 +426,11 @@ class TokenManager:
         return _s(verdict), found, int(cooling)
 
     def _refresh(
-        self, account_id: str, owner: str, sent: SentRequest | None = None
+        self,
+        account_id: str,
+        owner: str,
+        sent: SentRequest | None = None,
+        rejected: str | None = None,
     ) -> tuple[str | GatewayResult, bool]:
         """Fetch (or read the answer of ``sent``) and store a new token under the refresh
         lock ``owner`` holds; the result, and whether it was stored (the store releases the
@@ -430,13 +446,14 @@ class TokenManager:
             log.warning("token_refresh_failed", account_id=account_id, error=res.error)
             # whatever happened at the gateway, no payment was sent: retry later
             failed = not_sent(f"token_{res.reason}", f"token request: {res.error}")
-            self._pause(account_id, failed)
+            # (the refused token, read again during the pause, does not end it)
+            self._pause(account_id, failed, refused=rejected)
             return failed, False
         token, expires_in = parse_token(resp)
         if token is None or expires_in is None:
             GATEWAY_TOKEN_REFRESHES.labels(result=f"http_{resp.status_code}").inc()
             failed = token_failure(resp)
-            self._pause(account_id, failed)
+            self._pause(account_id, failed, refused=rejected)
             return failed, False
         GATEWAY_TOKEN_REFRESHES.labels(result="ok").inc()
         self._paused.pop(account_id, None)

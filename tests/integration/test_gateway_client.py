@@ -252,6 +252,28 @@ def test_401_refreshes_once_and_retries(client: GatewayClient, gateway_sim: SimH
     assert ledger["tokens_issued"] == 3  # ours, the intruder's, our one refresh
 
 
+def test_a_token_issued_whose_answer_is_lost_is_a_retry_then_one_refresh(
+    client: GatewayClient, gateway_sim: SimHandle
+) -> None:
+    """The gateway issues a token (revoking every earlier one) and its answer never arrives:
+    the connection is reset. Nothing is paid meanwhile, and the next try takes one token."""
+    assert create(client, tx("tx-0")).outcome is Outcome.SUCCEEDED
+    grant = {"grant_type": "client_credentials", "client_id": ACCT, "client_secret": "sim-secret"}
+    httpx.post(f"{gateway_sim.url}/oauth/token", json=grant).raise_for_status()
+    gateway_sim.script(ACCT, {"fault": "lost", "endpoint": "token"})
+    lost = create(client, tx("tx-1"))  # a 401, then a refresh whose answer is lost
+    assert lost.outcome is Outcome.RETRY and lost.reason.startswith("token_"), lost
+    assert gateway_sim.statuses(ACCT, "token")[-1] == "lost"
+    assert gateway_sim.ledger()["payments_sent"] == 1
+    wait_until(lambda: create(client, tx("tx-1")).outcome is Outcome.SUCCEEDED, 10.0, "tx-1 paid")
+    ledger = gateway_sim.ledger()
+    # ours, the intruder's, the lost one, the one that paid tx-1: no token per try
+    assert (ledger["tokens_issued"], ledger["payments_sent"]) == (4, 2), ledger
+    # one 401: the refused token left the shared hash with the failed refresh (it was sent
+    # again after the lost answer and after the pause, a 401 each, before)
+    assert ledger["http_401"] == 1, gateway_sim.requests(ACCT)
+
+
 def test_401_twice_is_retry(client: GatewayClient, gateway_sim: SimHandle) -> None:
     # a token dies a microsecond after it is issued: before any request can carry it (a
     # millisecond was not enough on a fast host, where the create arrived within it)

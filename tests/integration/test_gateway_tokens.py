@@ -332,16 +332,43 @@ def test_a_token_refusals_long_retry_after_is_honoured_past_the_backoffs_cap(
 def _pause_ended_by_the_stored_token(
     redis_client: redis.Redis, gateway_sim: SimHandle
 ) -> tuple[TokenManager, str]:
-    """A token had, then refused (a 401) and its refresh answered 503: paused; the token
-    still in Redis is used at once, ending the pause early. The manager and that token."""
+    """A token had, then due for its refresh ahead of expiry, which answered 503: paused;
+    the token still in Redis (and still valid) is used at once, ending the pause early. The
+    manager and that token. (A token refused with a 401 whose refresh fails leaves Redis
+    with that refresh: ``test_a_refused_token_whose_refresh_failed_is_never_sent_again``.)"""
+    gateway_sim.configure(token_ttl=2.0)
+    # refreshed 0.9 to 1.8 s ahead of its expiry: due after 1.1 s, valid 0.8 s more
+    mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0, refresh_fraction=0.9)
+    first = mgr.get(ACCT)
+    assert isinstance(first, str)
+    time.sleep(1.1)
+    gateway_sim.script(ACCT, {"fault": "503", "endpoint": "token"})
+    failed = mgr.get(ACCT)  # due: the refresh meets the 503
+    assert isinstance(failed, GatewayResult) and failed.http_status == 503
+    assert mgr.get(ACCT) == first  # still in Redis: used, the pause ended early
+    return mgr, first
+
+
+def test_a_refused_token_whose_refresh_failed_is_never_sent_again(
+    redis_client: redis.Redis, gateway_sim: SimHandle
+) -> None:
+    """A 401 on the shared token, and its refresh fails (a 503, or a token issued whose
+    answer was lost): the refused token leaves Redis with it. Before, every process sent it
+    again, during the pause (it ended the pause) and after it, a 401 each."""
     mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0)
     first = mgr.get(ACCT)
     assert isinstance(first, str)
     gateway_sim.script(ACCT, {"fault": "503", "endpoint": "token"})
     failed = mgr.get(ACCT, rejected=first)  # a 401 on it: the refresh meets the 503
     assert isinstance(failed, GatewayResult) and failed.http_status == 503
-    assert mgr.get(ACCT) == first  # still in Redis: used, the pause ended early
-    return mgr, first
+    assert mgr.cached(ACCT) is None
+    paused = mgr.get(ACCT)  # paused here, and the refused token does not end the pause
+    assert isinstance(paused, GatewayResult) and paused.reason == TOKEN_PAUSED
+    # another process finds no token to send: it refreshes, and this one takes that token
+    fresh = _manager(redis_client, gateway_sim.url, lock_ttl=5.0).get(ACCT)
+    assert isinstance(fresh, str) and fresh != first
+    assert mgr.get(ACCT) == fresh
+    assert gateway_sim.statuses(ACCT, "token") == [200, 503, 200]
 
 
 def test_a_stored_token_refused_after_it_ended_a_pause_brings_the_pause_back(
