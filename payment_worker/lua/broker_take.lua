@@ -5,14 +5,16 @@
 --
 -- KEYS[1]  kombu's unacked hash (delivery tag -> [message, exchange, routing key])
 -- KEYS[2]  kombu's unacked index (sorted set: delivery tag, scored by delivery time)
--- KEYS[3..] the queues' lists, in BRPOP's order (the first non-empty one is popped, as BRPOP)
+-- KEYS[3..] the queues' lists, in the order of kombu's round robin over the consumer's queues,
+--          by priority step (the first non-empty one is popped, as BRPOP)
 -- ARGV[1]  the delivery time, the client's clock in seconds (the score kombu gives)
 -- ARGV[2]  how many more messages to pop (0: only record the first)
 -- ARGV[3]  the message BRPOP returned, as it came
 --
--- Returns 1/0 (the first message recorded or not), then a flat list of (queue key index,
--- recorded 1/0, message) per popped message. A message without a readable delivery tag is
--- left unrecorded: kombu's own path records it (lib/unacked_record).
+-- Returns the first message's delivery tag if it was recorded (else 0), then a flat list of
+-- (queue key index, delivery tag recorded or 0, message) per popped message. A message
+-- without a readable delivery tag is left unrecorded: kombu's own path records it
+-- (lib/unacked_record).
 
 -- #include unacked_record
 

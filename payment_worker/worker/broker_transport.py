@@ -17,8 +17,13 @@ kombu's ``BRPOP`` as the wake-up and, in one script (``broker_take.lua``), recor
 message as kombu would and pops more, up to ``take_batch`` in all and never past the free
 prefetch slots, recording each in the same step: a popped message is never out of the
 queue without its unacked record (the ``BRPOP``'s own keeps kombu's short window until the
-script has run). The records are kombu's, byte for byte, so acks, rejects,
+script has run). The records are kombu's (the message kept byte for byte, the two names
+JSON-encoded by Redis's cjson: the same values decoded), so acks, rejects,
 ``restore_unacked`` and the visibility-timeout restore are kombu's.
+A message kombu cannot make a message of (its ``Message`` raises: a body encoding it does
+not know, headers that are no object) is dropped with an error line and its record removed;
+kombu's own transport lost it too, and the worker with it, and put back at the head of the
+queue it would end every worker that took it in turn.
 Everything else of kombu's transport is unchanged.
 """
 
@@ -99,7 +104,13 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         return super()._basic_cancel(consumer_tag)
 
     def _brpop_read(self, **options: Any) -> bool:
-        if self.take_batch <= 1 or self.global_keyprefix or self._no_ack_tags:
+        # (without ack emulation kombu's QoS keeps no records: nothing would restore a block)
+        if (
+            self.take_batch <= 1
+            or self.global_keyprefix
+            or self._no_ack_tags
+            or not self.ack_emulation
+        ):
             return bool(super()._brpop_read(**options))
         try:
             try:
@@ -121,7 +132,10 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         """Record BRPOP's message and take more in one script, then deliver them in order."""
         limit = self.qos.can_consume_max_estimate()  # None: no prefetch limit
         more = self.take_batch - 1 if limit is None else min(self.take_batch, limit) - 1
-        keys = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in self.active_queues]
+        # kombu's BRPOP order: its round robin over the queues (each delivery below rotates
+        # the queue it came from to the end), by priority step
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        keys = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in queues]
         with self.conn_or_acquire() as client:
             if self._take_script is None:
                 self._take_script = client.register_script(_TAKE)
@@ -142,26 +156,47 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 if not isinstance(message, dict):
                     raise ValueError("not a JSON object")
             except ValueError:  # (UnicodeDecodeError included)
-                # not a kombu message (pushed by hand?): never recorded (the script reads no
-                # tag in it), so dropped with a line, and the rest of the block delivered.
-                # Raising here left the block's recorded messages out of their queue until
-                # the visibility timeout (an hour)
+                # not a kombu message (pushed by hand?), dropped with a line, and the rest of
+                # the block delivered. Raising here left the block's recorded messages out of
+                # their queue until the visibility timeout (an hour). Usually never recorded
+                # (the script reads no tag in it); one that Redis's JSON decoder read and
+                # Python's does not leaves its record too, which kombu's visibility restore
+                # would meet on every pass, holding back the records after it
                 kombu_redis.logger.error(
                     "dropped a message that is not a kombu message from %s: %.200r", key_name, raw
                 )
+                if recorded:
+                    self._drop_record(bytes_to_str(recorded))
                 continue
             if recorded:
-                self.qos.prerecorded.add(message["properties"]["delivery_tag"])
+                self.qos.prerecorded.add(bytes_to_str(recorded))
             taken.append((key_name, message))
         delivered = 0
         try:
             for key_name, message in taken:
                 dest = key_name.rsplit(self.sep, 1)[0]
                 self._queue_cycle.rotate(dest)
-                self.connection._deliver(message, dest)
+                tag = _tag(message)
+                try:
+                    self.connection._deliver(message, dest)
+                except Exception:
+                    if tag is None or tag not in self.qos.prerecorded:
+                        raise  # taken over: kombu's rules restore it (its close, its timeout)
+                    # kombu's Message raised before its QoS took it over: put back, it would
+                    # end every worker that takes it, one after the other
+                    kombu_redis.logger.error(
+                        "dropped a message kombu cannot read from %s (tag %s)",
+                        key_name,
+                        tag,
+                        exc_info=True,
+                    )
+                    self.qos.prerecorded.discard(tag)
+                    self._drop_record(tag)
+                    delivered += 1
+                    continue
                 # taken over (QoS.append) or, with no consumer for its queue, rejected by
                 # kombu through its first channel's QoS, maybe not this one: not ours to keep
-                self.qos.prerecorded.discard(message["properties"]["delivery_tag"])
+                self.qos.prerecorded.discard(tag)
                 delivered += 1
         finally:
             if delivered < len(taken):
@@ -169,20 +204,33 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 # handed over go back now, not after the visibility timeout
                 self._restore_taken([m for _k, m in taken[delivered:]])
 
+    def _drop_record(self, tag: str) -> None:
+        """Remove the unacked record of a dropped message (kombu's own removal, as an ack)."""
+        try:
+            self.qos._remove_from_indices(tag).execute()
+        except Exception:  # the broker is gone: the visibility restore meets it later
+            kombu_redis.logger.warning("could not remove the record of %s", tag, exc_info=True)
+
     def _restore_taken(self, messages: list[Any]) -> None:
         """Put back, at the head of their queues and in their order, those of ``messages``
         whose record the take script wrote and that kombu never took over (those it did are
         in its own bookkeeping, restored by its rules)."""
         for message in reversed(messages):
-            props = message.get("properties") if isinstance(message, dict) else None
-            tag = props.get("delivery_tag") if isinstance(props, dict) else None
-            if tag not in self.qos.prerecorded:
+            tag = _tag(message)
+            if tag is None or tag not in self.qos.prerecorded:
                 continue
             self.qos.prerecorded.discard(tag)
             try:
                 self.qos.restore_by_tag(tag)
             except Exception:  # the broker is gone: the visibility timeout restores it
                 kombu_redis.logger.warning("could not restore message %s", tag, exc_info=True)
+
+
+def _tag(message: Any) -> str | None:
+    """A decoded message's delivery tag, if it has a readable one."""
+    props = message.get("properties") if isinstance(message, dict) else None
+    tag = props.get("delivery_tag") if isinstance(props, dict) else None
+    return tag if isinstance(tag, str) else None
 
 
 class Transport(kombu_redis.Transport):  # type: ignore[misc]

@@ -9,6 +9,7 @@ message whose queue lost its consumer requeued by kombu and forgotten by the cha
 from __future__ import annotations
 
 import base64
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -250,6 +251,54 @@ def test_a_message_that_is_not_a_kombu_message_is_dropped_and_the_rest_of_its_bl
             assert got == [0, 1, 2, 0, 1]  # the whole block, in order, in one wake-up
         channel.close()
     assert _queued(url) == [] and _unacked(url) == 0
+
+
+def _publish_spoilt(
+    conn: Connection, url: str, i: int, change: Callable[[dict[str, Any]], None]
+) -> None:
+    """Publish body ``i``, then change its decoded form in place (the queue's head): a
+    message with its own delivery tag, which the take script records."""
+    _publish_one(conn, i)
+    r = redis.Redis.from_url(url)
+    raw = r.lpop("pw-transport-test")
+    assert raw is not None
+    payload = loads(raw)
+    change(payload)
+    r.lpush("pw-transport-test", json.dumps(payload))
+
+
+def _publish_one(conn: Connection, i: int) -> None:
+    channel = conn.channel()
+    _Q(channel).declare()
+    Producer(channel, exchange=_Q.exchange, routing_key=_Q.routing_key).publish({"i": i})
+    channel.close()
+
+
+def test_a_message_kombu_cannot_read_is_dropped_with_its_record_and_ends_no_worker(
+    pw_env: PwEnv,
+) -> None:
+    """Recorded messages kombu's ``Message`` cannot be made of (a base64 body that is not,
+    headers that are no object), and one whose record Redis's JSON decoder wrote and
+    Python's cannot read (an unknown ``__type__``). Before, the first raised out of the
+    consumer, put back at the head of its queue: every worker that took it ended; the
+    last's record was left for kombu's visibility restore, which raised on it at every pass
+    (a review found both)."""
+    url = pw_env.broker_url
+    r = redis.Redis.from_url(url)
+    with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 10}) as conn:
+        _publish_one(conn, 0)
+        _publish_spoilt(conn, url, 1, lambda m: m.update(body="abc"))  # base64, unpadded
+        _publish_spoilt(conn, url, 2, lambda m: m.update(headers=[1]))
+        _publish_one(conn, 3)
+        _publish_spoilt(conn, url, 4, lambda m: m.update(headers={"__type__": "?", "__value__": 1}))
+        _publish_one(conn, 5)
+        got: list[int] = []
+        channel = conn.channel()
+        with Consumer(channel, [_Q], callbacks=[_acking(got)]):
+            conn.drain_events(timeout=2)  # raises nothing
+            assert got == [0, 3, 5]  # those that can be read, in order, in one wake-up
+        channel.close()
+    assert _queued(url) == [] and _unacked(url) == 0 and r.zcard("unacked_index") == 0
 
 
 def test_records_of_a_block_are_restored_by_kombus_visibility_timeout(pw_env: PwEnv) -> None:
