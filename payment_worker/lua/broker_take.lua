@@ -5,8 +5,9 @@
 --
 -- KEYS[1]  kombu's unacked hash (delivery tag -> [message, exchange, routing key])
 -- KEYS[2]  kombu's unacked index (sorted set: delivery tag, scored by delivery time)
--- KEYS[3..] the queues' lists, in the order of kombu's round robin over the consumer's queues,
---          by priority step (the first non-empty one is popped, as BRPOP)
+-- KEYS[3..] the queues' lists, in the order of kombu's round robin over the consumer's queues
+--          at this wake-up, by priority step (popped in that order: each list until it is
+--          empty, then the next, as BRPOP picks the first non-empty one)
 -- ARGV[1]  the delivery time, the client's clock in seconds (the score kombu gives)
 -- ARGV[2]  how many more messages to pop (0: only record the first)
 -- ARGV[3]  the message BRPOP returned, as it came

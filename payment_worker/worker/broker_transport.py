@@ -39,6 +39,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from payment_worker import lua
+from payment_worker.errors import PaymentWorkerError
 
 #: kombu's "module:Class" name of the transport, for Celery's ``broker_transport``
 TRANSPORT = f"{__name__}:Transport"
@@ -48,6 +49,21 @@ TRANSPORT = f"{__name__}:Transport"
 DEFAULT_TAKE_BATCH = 32
 
 _TAKE = lua.load("broker_take")
+
+
+class Unreadable(PaymentWorkerError):
+    """kombu could not make a message of a taken payload (its ``Message`` raised)."""
+
+
+class Message(virtual.Message):  # type: ignore[misc]
+    """kombu's message; a payload it cannot read raises :class:`Unreadable`, so a failed
+    delivery tells that apart from any other failure (a Redis error in a reject)."""
+
+    def __init__(self, payload: Any, channel: Any = None, **kwargs: Any) -> None:
+        try:
+            super().__init__(payload, channel=channel, **kwargs)
+        except Exception as exc:
+            raise Unreadable(f"{type(exc).__name__}: {exc}") from exc
 
 
 class QoS(kombu_redis.QoS):  # type: ignore[misc]
@@ -71,6 +87,7 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
     and each ``BRPOP`` reply brings up to ``take_batch`` messages in one more round trip."""
 
     QoS = QoS
+    Message = Message
     from_transport_options = (*kombu_redis.Channel.from_transport_options, "take_batch")
     take_batch = DEFAULT_TAKE_BATCH
 
@@ -151,11 +168,14 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         ]
         taken: list[tuple[str, Any]] = []
         for key_name, raw, recorded in entries:
+            tag = bytes_to_str(recorded) if recorded else None
             try:
                 message = loads(bytes_to_str(raw))
                 if not isinstance(message, dict):
                     raise ValueError("not a JSON object")
-            except ValueError:  # (UnicodeDecodeError included)
+                if tag is not None and _tag(message) != tag:
+                    raise ValueError("its delivery tag reads otherwise in Redis")
+            except Exception:  # (kombu's decoders raise more than ValueError; no I/O here)
                 # not a kombu message (pushed by hand?), dropped with a line, and the rest of
                 # the block delivered. Raising here left the block's recorded messages out of
                 # their queue until the visibility timeout (an hour). Usually never recorded
@@ -163,13 +183,16 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 # Python's does not leaves its record too, which kombu's visibility restore
                 # would meet on every pass, holding back the records after it
                 kombu_redis.logger.error(
-                    "dropped a message that is not a kombu message from %s: %.200r", key_name, raw
+                    "dropped a message that is not a kombu message from %s: %.200r",
+                    key_name,
+                    raw,
+                    exc_info=True,
                 )
-                if recorded:
-                    self._drop_record(bytes_to_str(recorded))
+                if tag is not None:
+                    self._drop_record(tag)
                 continue
-            if recorded:
-                self.qos.prerecorded.add(bytes_to_str(recorded))
+            if tag is not None:
+                self.qos.prerecorded.add(tag)
             taken.append((key_name, message))
         delivered = 0
         try:
@@ -179,19 +202,18 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 tag = _tag(message)
                 try:
                     self.connection._deliver(message, dest)
-                except Exception:
-                    if tag is None or tag not in self.qos.prerecorded:
-                        raise  # taken over: kombu's rules restore it (its close, its timeout)
-                    # kombu's Message raised before its QoS took it over: put back, it would
-                    # end every worker that takes it, one after the other
+                except Unreadable:
+                    # kombu could not make a message of it (before any QoS took it over):
+                    # put back, it would end every worker that takes it, one after another
                     kombu_redis.logger.error(
                         "dropped a message kombu cannot read from %s (tag %s)",
                         key_name,
                         tag,
                         exc_info=True,
                     )
-                    self.qos.prerecorded.discard(tag)
-                    self._drop_record(tag)
+                    if tag is not None and tag in self.qos.prerecorded:
+                        self.qos.prerecorded.discard(tag)
+                        self._drop_record(tag)
                     delivered += 1
                     continue
                 # taken over (QoS.append) or, with no consumer for its queue, rejected by

@@ -278,11 +278,11 @@ def test_a_message_kombu_cannot_read_is_dropped_with_its_record_and_ends_no_work
     pw_env: PwEnv,
 ) -> None:
     """Recorded messages kombu's ``Message`` cannot be made of (a base64 body that is not,
-    headers that are no object), and one whose record Redis's JSON decoder wrote and
-    Python's cannot read (an unknown ``__type__``). Before, the first raised out of the
-    consumer, put back at the head of its queue: every worker that took it ended; the
-    last's record was left for kombu's visibility restore, which raised on it at every pass
-    (a review found both)."""
+    headers that are no object), and ones whose record Redis's JSON decoder wrote and
+    Python's cannot read (an unknown ``__type__``, a decimal that is none). Before, the
+    first raised out of the consumer, put back at the head of its queue: every worker that
+    took it ended; the others' records were left for kombu's visibility restore, which
+    raised on them at every pass (a review found both)."""
     url = pw_env.broker_url
     r = redis.Redis.from_url(url)
     with Connection(url, transport=TRANSPORT, transport_options={"take_batch": 10}) as conn:
@@ -291,6 +291,9 @@ def test_a_message_kombu_cannot_read_is_dropped_with_its_record_and_ends_no_work
         _publish_spoilt(conn, url, 2, lambda m: m.update(headers=[1]))
         _publish_one(conn, 3)
         _publish_spoilt(conn, url, 4, lambda m: m.update(headers={"__type__": "?", "__value__": 1}))
+        # kombu's own decoders raise more than ValueError (here decimal.InvalidOperation)
+        bad_decimal = {"__type__": "decimal", "__value__": "x"}
+        _publish_spoilt(conn, url, 6, lambda m: m.update(headers=bad_decimal))
         _publish_one(conn, 5)
         got: list[int] = []
         channel = conn.channel()
