@@ -9,6 +9,7 @@ import ipaddress
 import json
 import os
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -138,9 +139,10 @@ class Settings(BaseSettings):
     gateway_rate_per_second: float = Field(20.0, gt=0)
     # NoDecode: decoded by the validator below, so that bad JSON is one line naming the
     # variable (pydantic-settings' own decoding raised past it: a traceback)
-    gateway_rate_overrides: Annotated[dict[str, Annotated[float, Field(gt=0)]], NoDecode] = Field(
-        default_factory=dict
-    )
+    # strict: `true` is no rate (lax mode read it as 1.0)
+    gateway_rate_overrides: Annotated[
+        dict[str, Annotated[float, Field(gt=0, strict=True)]], NoDecode
+    ] = Field(default_factory=dict)
     # refresh a token ahead of expiry; the lead is drawn between half and all of this share of
     # its lifetime (jitter, so many accounts do not refresh together). 0.1 measured best:
     # 1.00 tokens per account per TTL, no 401 (docs/benchmarks.md)
@@ -340,17 +342,25 @@ class Settings(BaseSettings):
             if not v.strip():
                 return {}
             try:
-                return json.loads(v)
+                v = json.loads(v)
             except ValueError:
                 raise ValueError(
                     "expected a JSON object of account ids and requests per second, e.g. "
                     '{"acct-1": 5}'
                 ) from None
+        if isinstance(v, dict):
+            for key in v:
+                # an account id as a batch must spell it (domain/batch_schema.py), or the
+                # override would silently never apply
+                if not key or key != key.strip() or not key.isprintable():
+                    raise ValueError(f"{key!r} is no account id (blank, padded or unprintable)")
+                if not unicodedata.is_normalized("NFC", key):
+                    raise ValueError(f"{key!r} is not in Unicode normalization form NFC")
         return v
 
     @model_validator(mode="after")
     def _limits(self) -> Settings:
-        if self.celery_broker_url is None and (self.redis_url or "").startswith("unix:"):
+        if self.celery_broker_url is None and urlsplit(self.redis_url or "").scheme == "unix":
             raise ValueError(
                 "CELERY_BROKER_URL must be set (a redis:// or rediss:// URL) when REDIS_URL is "
                 "a unix:// socket: the broker would be that URL, and Celery's Redis transport "
@@ -486,5 +496,5 @@ def load_settings() -> Settings:
         raise SettingsError(2) from None
     except SourceError as exc:
         # a value the settings source could not decode before any validator ran
-        print(f"payment-worker: invalid setting {exc}", file=sys.stderr)
+        print(f"payment-worker: invalid settings: {exc}", file=sys.stderr)
         raise SettingsError(2) from None

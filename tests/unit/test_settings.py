@@ -196,6 +196,11 @@ def test_the_edges_of_those_rules_are_accepted(monkeypatch: pytest.MonkeyPatch) 
         # a rate of 0 divided by zero at the account's first request
         ('{"acct-1": 0}', 'GATEWAY_RATE_OVERRIDES["acct-1"]: Input should be greater than 0'),
         ('{"acct-1": -5}', 'GATEWAY_RATE_OVERRIDES["acct-1"]: Input should be greater than 0'),
+        # lax mode read true as 1.0 requests/s
+        ('{"acct-1": true}', 'GATEWAY_RATE_OVERRIDES["acct-1"]: Input should be a valid number'),
+        # an override no batch's account id can match would silently never apply
+        ('{"acct-1 ": 5}', "GATEWAY_RATE_OVERRIDES: 'acct-1 ' is no account id"),
+        ('{"acct-e\u0301": 5}', "GATEWAY_RATE_OVERRIDES: 'acct-e\u0301' is not in Unicode"),
     ],
 )
 def test_bad_rate_overrides_are_one_line(
@@ -229,9 +234,10 @@ def test_no_float_setting_takes_inf_or_nan(
     assert describe_error(info.value).startswith(f"invalid setting {var}: ")
 
 
-def test_the_broker_takes_no_unix_socket_url(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("scheme", ["unix", "UNIX"])
+def test_the_broker_takes_no_unix_socket_url(monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
     """kombu has no unix:// transport: a worker died at start with a KeyError's traceback."""
-    monkeypatch.setenv("REDIS_URL", "unix:///tmp/redis.sock?db=0")
+    monkeypatch.setenv("REDIS_URL", f"{scheme}:///tmp/redis.sock?db=0")
     with pytest.raises(ValidationError) as info:
         Settings()
     line = describe_error(info.value)
@@ -241,7 +247,7 @@ def test_the_broker_takes_no_unix_socket_url(monkeypatch: pytest.MonkeyPatch) ->
         Settings()
     assert describe_error(info.value).startswith("invalid setting CELERY_BROKER_URL: ")
     monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/1")
-    assert Settings().redis_url == "unix:///tmp/redis.sock?db=0"  # the app's Redis may be one
+    assert Settings().redis_url == f"{scheme}:///tmp/redis.sock?db=0"  # the app's may be one
 
 
 def test_a_cross_field_rule_reads_as_one_sentence() -> None:
