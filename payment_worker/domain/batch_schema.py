@@ -67,10 +67,19 @@ def _printable(value: str) -> str:
 
 
 def _text(value: str) -> str:
-    """Free text (a name, a description): printable, joiners allowed."""
-    if not value.translate(_JOINERS).isprintable():
-        raise ValueError("must contain printable characters only (no control characters)")
+    """Free text (a name, a description): printable; a joiner only between two letters or
+    marks, where a script needs it ("Alice\u200d" would read as "Alice")."""
+    _printable(value.translate(_JOINERS))
+    for i, ch in enumerate(value):
+        if ch in "\u200c\u200d" and not (
+            0 < i < len(value) - 1 and _in_word(value[i - 1]) and _in_word(value[i + 1])
+        ):
+            raise ValueError("may hold a zero-width joiner only between two letters or marks")
     return value
+
+
+def _in_word(ch: str) -> bool:
+    return unicodedata.category(ch)[0] in "LM"
 
 
 def _identifier(value: str) -> str:
