@@ -466,7 +466,7 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
                 # Celery's gossip, mingle and heartbeat events on, as in the plain command
                 cluster.start_worker(
                     queues="dlq" if args.start == "ready" else "payments,dlq",
-                    celery_defaults=True,
+                    celery_defaults=not args.without_celery_events,
                 )
             if args.start == "ready":
                 # every worker answers a ping once its consumer runs (its boot is over: the
@@ -807,6 +807,12 @@ def main() -> int:
     )
     p.add_argument("--quick", action="store_true", help="small shapes (smoke)")
     p.add_argument(
+        "--without-celery-events",
+        action="store_true",
+        help="--without-gossip --without-mingle --without-heartbeat, as every run before "
+        "the thirty-eighth session (a departure)",
+    )
+    p.add_argument(
         "--commands", action="store_true", help="also print Redis commands per item by command"
     )
     args = p.parse_args()
@@ -823,12 +829,14 @@ def main() -> int:
     s = load_settings()
     pool = args.pool or s.worker_pool
     slots = args.concurrency or s.concurrency
-    departs = [f"-P {args.pool}"] * bool(args.pool) + [f"-c {args.concurrency}"] * bool(
+    flags = [f"-P {args.pool}"] * bool(args.pool) + [f"-c {args.concurrency}"] * bool(
         args.concurrency
     )
-    # settings this shell hands the workers that a user's plain command would not have
-    departs += _settings_departures(s)
-    command = "celery -A payment_worker worker" + "".join(" " + d for d in departs)
+    if args.without_celery_events:
+        flags.append("--without-gossip --without-mingle --without-heartbeat")
+    # and settings this shell hands the workers that a user's plain command would not have
+    departs = flags + _settings_departures(s)
+    command = "celery -A payment_worker worker" + "".join(" " + f for f in flags)
     print(f"# throughput  machine: {machine()}  commit: {git_rev()}")
     print(
         f"# {args.workers} x `{command}` → pool {pool}, concurrency {slots} "

@@ -190,8 +190,11 @@ class LocalCluster:
             *(["-c", str(slots)] if slots else []),
             "-n",
             f"{name}@%h",
-            *([] if celery_defaults else ["--without-gossip", "--without-mingle"]),
-            *([] if celery_defaults else ["--without-heartbeat"]),
+            *(
+                []
+                if celery_defaults
+                else ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+            ),
             "--loglevel",
             "WARNING",
             *extra,

@@ -117,6 +117,8 @@ async def _token(st: SimState, account_id: str, secret: Any) -> Answer:
         st.ledger.http_401_invalid_client += 1
         return Answer(401, {"error": "invalid_client"})
     scripted = st.next_scripted(account_id, "token")
+    if scripted is not None and scripted["fault"] != "429":
+        st.ledger.faults[scripted["fault"]] += 1  # (a 429 is counted as one, below)
     if scripted is not None and scripted["fault"] in ("lost", "slow"):
         # issued (every earlier token of the account revoked at once), and the answer never
         # comes (the connection reset) or comes late: what a client must survive without

@@ -264,6 +264,7 @@ def test_a_token_issued_whose_answer_is_lost_is_a_retry_then_one_refresh(
     lost = create(client, tx("tx-1"))  # a 401, then a refresh whose answer is lost
     assert lost.outcome is Outcome.RETRY and lost.reason.startswith("token_"), lost
     assert gateway_sim.statuses(ACCT, "token")[-1] == "lost"
+    assert gateway_sim.ledger()["faults"] == {"lost": 1}
     assert gateway_sim.ledger()["payments_sent"] == 1
     wait_until(lambda: create(client, tx("tx-1")).outcome is Outcome.SUCCEEDED, 10.0, "tx-1 paid")
     ledger = gateway_sim.ledger()

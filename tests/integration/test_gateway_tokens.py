@@ -336,12 +336,12 @@ def _pause_ended_by_the_stored_token(
     the token still in Redis (and still valid) is used at once, ending the pause early. The
     manager and that token. (A token refused with a 401 whose refresh fails leaves Redis
     with that refresh: ``test_a_refused_token_whose_refresh_failed_is_never_sent_again``.)"""
-    gateway_sim.configure(token_ttl=2.0)
-    # refreshed 0.9 to 1.8 s ahead of its expiry: due after 1.1 s, valid 0.8 s more
+    gateway_sim.configure(token_ttl=4.0)
+    # refreshed 1.8 to 3.6 s ahead of its expiry: due after 2.2 s, valid 1.7 s more
     mgr = _manager(redis_client, gateway_sim.url, lock_ttl=5.0, refresh_fraction=0.9)
     first = mgr.get(ACCT)
     assert isinstance(first, str)
-    time.sleep(1.1)
+    time.sleep(2.2)
     gateway_sim.script(ACCT, {"fault": "503", "endpoint": "token"})
     failed = mgr.get(ACCT)  # due: the refresh meets the 503
     assert isinstance(failed, GatewayResult) and failed.http_status == 503
