@@ -20,8 +20,9 @@ queue without its unacked record (the ``BRPOP``'s own keeps kombu's short window
 script has run). The records are kombu's (the message kept byte for byte, the two names
 JSON-encoded by Redis's cjson: the same values decoded), so acks, rejects,
 ``restore_unacked`` and the visibility-timeout restore are kombu's.
-A message kombu cannot make a message of (its ``Message`` raises: a body encoding it does
-not know, headers that are no object) is dropped with an error line and its record removed;
+A message kombu cannot make a message of (its ``Message`` raises: a body it cannot decode,
+headers that are no object, no tag or delivery info to record it by) is dropped with an
+error line and its record removed;
 kombu's own transport lost it too, and the worker with it, and put back at the head of the
 queue it would end every worker that took it in turn.
 Everything else of kombu's transport is unchanged.
@@ -64,6 +65,15 @@ class Message(virtual.Message):  # type: ignore[misc]
             super().__init__(payload, channel=channel, **kwargs)
         except Exception as exc:
             raise Unreadable(f"{type(exc).__name__}: {exc}") from exc
+        # what kombu's QoS records it by: without them its record raised after the message
+        # was out of the queue (kombu's own transport too), ending the consumer
+        info = self.delivery_info
+        if not (
+            isinstance(self.delivery_tag, str)
+            and isinstance(info, dict)
+            and {"exchange", "routing_key"} <= info.keys()
+        ):
+            raise Unreadable("no delivery tag or delivery info kombu can record it by")
 
 
 class QoS(kombu_redis.QoS):  # type: ignore[misc]
@@ -168,13 +178,12 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         ]
         taken: list[tuple[str, Any]] = []
         for key_name, raw, recorded in entries:
-            tag = bytes_to_str(recorded) if recorded else None
+            # the tag the script recorded the message under, as Redis holds it (0: none)
+            rtag = recorded if isinstance(recorded, bytes) else None
             try:
                 message = loads(bytes_to_str(raw))
                 if not isinstance(message, dict):
                     raise ValueError("not a JSON object")
-                if tag is not None and _tag(message) != tag:
-                    raise ValueError("its delivery tag reads otherwise in Redis")
             except Exception:  # (kombu's decoders raise more than ValueError; no I/O here)
                 # not a kombu message (pushed by hand?), dropped with a line, and the rest of
                 # the block delivered. Raising here left the block's recorded messages out of
@@ -188,11 +197,18 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                     raw,
                     exc_info=True,
                 )
-                if tag is not None:
-                    self._drop_record(tag)
+                if rtag is not None:
+                    self._drop_record(rtag)
                 continue
-            if tag is not None:
-                self.qos.prerecorded.add(tag)
+            tag = _tag(message)
+            if rtag is not None:
+                if tag is not None and tag.encode("utf-8", "surrogatepass") == rtag:
+                    self.qos.prerecorded.add(tag)
+                else:
+                    # Redis's decoder read another tag than Python's (bytes that are no
+                    # UTF-8): its record would be restored after the visibility timeout, a
+                    # second delivery. Delivered unrecorded instead: kombu records it
+                    self._drop_record(rtag)
             taken.append((key_name, message))
         delivered = 0
         try:
@@ -226,7 +242,7 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 # handed over go back now, not after the visibility timeout
                 self._restore_taken([m for _k, m in taken[delivered:]])
 
-    def _drop_record(self, tag: str) -> None:
+    def _drop_record(self, tag: str | bytes) -> None:
         """Remove the unacked record of a dropped message (kombu's own removal, as an ack)."""
         try:
             self.qos._remove_from_indices(tag).execute()

@@ -294,6 +294,9 @@ def test_a_message_kombu_cannot_read_is_dropped_with_its_record_and_ends_no_work
         # kombu's own decoders raise more than ValueError (here decimal.InvalidOperation)
         bad_decimal = {"__type__": "decimal", "__value__": "x"}
         _publish_spoilt(conn, url, 6, lambda m: m.update(headers=bad_decimal))
+        # no delivery info: never recorded, and kombu's record of it raised with the message
+        # already out of the queue (kombu's own transport too)
+        _publish_spoilt(conn, url, 7, lambda m: m["properties"].pop("delivery_info"))
         _publish_one(conn, 5)
         got: list[int] = []
         channel = conn.channel()
