@@ -67,14 +67,13 @@ def _printable(value: str) -> str:
 
 
 def _text(value: str) -> str:
-    """Free text (a name, a description): printable; a joiner only between two letters or
-    marks, where a script needs it ("Alice\u200d" would read as "Alice")."""
+    """Free text (a name, a description): printable; a joiner only right after a letter or
+    a mark, where a script puts it (a Malayalam chillu ends a word with one), never alone
+    or after a space or another joiner."""
     _printable(value.translate(_JOINERS))
     for i, ch in enumerate(value):
-        if ch in "\u200c\u200d" and not (
-            0 < i < len(value) - 1 and _in_word(value[i - 1]) and _in_word(value[i + 1])
-        ):
-            raise ValueError("may hold a zero-width joiner only between two letters or marks")
+        if ch in "\u200c\u200d" and not (i > 0 and _in_word(value[i - 1])):
+            raise ValueError("may hold a zero-width joiner only right after a letter or mark")
     return value
 
 
