@@ -352,8 +352,15 @@ class Settings(BaseSettings):
             for key in v:
                 # an account id as a batch must spell it (domain/batch_schema.py), or the
                 # override would silently never apply
-                if not key or key != key.strip() or not key.isprintable():
-                    raise ValueError(f"{key!r} is no account id (blank, padded or unprintable)")
+                if (
+                    not isinstance(key, str)
+                    or not key.strip()
+                    or key != key.strip()
+                    or not key.isprintable()
+                    or key in (".", "..")
+                    or len(key) > 128
+                ):
+                    raise ValueError(f"{key!r} is no account id a batch can name")
                 if not unicodedata.is_normalized("NFC", key):
                     raise ValueError(f"{key!r} is not in Unicode normalization form NFC")
         return v

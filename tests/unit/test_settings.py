@@ -200,6 +200,7 @@ def test_the_edges_of_those_rules_are_accepted(monkeypatch: pytest.MonkeyPatch) 
         ('{"acct-1": true}', 'GATEWAY_RATE_OVERRIDES["acct-1"]: Input should be a valid number'),
         # an override no batch's account id can match would silently never apply
         ('{"acct-1 ": 5}', "GATEWAY_RATE_OVERRIDES: 'acct-1 ' is no account id"),
+        ('{"..": 5}', "GATEWAY_RATE_OVERRIDES: '..' is no account id"),
         ('{"acct-e\u0301": 5}', "GATEWAY_RATE_OVERRIDES: 'acct-e\u0301' is not in Unicode"),
     ],
 )
