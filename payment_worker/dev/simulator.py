@@ -80,7 +80,7 @@ def _respond(ans: Answer) -> web.Response:
 
 
 # --- protocol endpoints -------------------------------------------------------------------
-async def token(request: web.Request) -> web.Response:
+async def token(request: web.Request) -> web.StreamResponse:
     """``POST /oauth/token``: issue a token, revoking the account's earlier ones."""
     st = request.app[STATE]
     st.ledger.requests["token"] += 1
@@ -97,17 +97,26 @@ async def token(request: web.Request) -> web.Response:
     acct = st.begin(client_id)
     acct.log.append(entry)
     try:
-        ans = await _token(st, client_id, body.get("client_secret"))
-        entry[2] = ans.after if ans.after in RESET_AFTER else ans.status
-        st.ledger.statuses[str(entry[2])] += 1
-        if ans.after == "slow":
-            await asyncio.sleep(st.config.slow_seconds)
-        elif ans.after in RESET_AFTER:
-            _reset_connection(request)
-            return web.Response(status=204)  # never written: the connection is gone
-        return _respond(ans)
+        return await _answer(
+            request, st, entry, await _token(st, client_id, body.get("client_secret"))
+        )
     finally:
         st.end(client_id, acct)
+
+
+async def _answer(
+    request: web.Request, st: SimState, entry: list[Any], ans: Answer
+) -> web.StreamResponse:
+    """Log ``ans`` in the account's ``entry`` and the ledger, then write it: late for a
+    slow one, never (the connection reset) for the :data:`RESET_AFTER` ones."""
+    entry[2] = ans.after if ans.after in RESET_AFTER else ans.status
+    st.ledger.statuses[str(entry[2])] += 1
+    if ans.after == "slow":
+        await asyncio.sleep(st.config.slow_seconds)
+    elif ans.after in RESET_AFTER:
+        _reset_connection(request)
+        return web.Response(status=204)  # never written: the connection is gone
+    return _respond(ans)
 
 
 async def _token(st: SimState, account_id: str, secret: Any) -> Answer:
@@ -177,16 +186,9 @@ async def _account_call(request: web.Request, endpoint: str, inner: Inner) -> we
         ans = outage_answer(st, account_id) or await _guarded(
             request, st, account_id, endpoint, inner
         )
-        entry[2] = ans.after if ans.after in RESET_AFTER else ans.status
-        st.ledger.statuses[str(entry[2])] += 1
         if ans.status == 401:
-            st.ledger.http_401 += 1
-        if ans.after == "slow":
-            await asyncio.sleep(st.config.slow_seconds)
-        elif ans.after in RESET_AFTER:
-            _reset_connection(request)
-            return web.Response(status=204)  # never written: the connection is gone
-        return _respond(ans)
+            st.ledger.http_401 += 1  # (the token endpoint's invalid_client is counted apart)
+        return await _answer(request, st, entry, ans)
     finally:
         st.end(account_id, acct)
 
