@@ -9,7 +9,6 @@ import ipaddress
 import json
 import os
 import sys
-import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -25,6 +24,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
+from payment_worker.domain.batch_schema import check_identifier
 from payment_worker.ops.redaction import mask_url
 
 # threads per worker process when WORKER_CONCURRENCY is unset: enough accounts in flight for
@@ -350,19 +350,12 @@ class Settings(BaseSettings):
                 ) from None
         if isinstance(v, dict):
             for key in v:
-                # an account id as a batch must spell it (domain/batch_schema.py), or the
-                # override would silently never apply
-                if (
-                    not isinstance(key, str)
-                    or not key.strip()
-                    or key != key.strip()
-                    or not key.isprintable()
-                    or key in (".", "..")
-                    or len(key) > 128
-                ):
-                    raise ValueError(f"{key!r} is no account id a batch can name")
-                if not unicodedata.is_normalized("NFC", key):
-                    raise ValueError(f"{key!r} is not in Unicode normalization form NFC")
+                # an account id as a batch must spell it, or the override would silently
+                # never apply
+                try:
+                    check_identifier(key if isinstance(key, str) else "")
+                except ValueError as exc:
+                    raise ValueError(f"{key!r} is no account id a batch can name: {exc}") from None
         return v
 
     @model_validator(mode="after")

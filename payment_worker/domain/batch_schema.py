@@ -105,10 +105,19 @@ def _not_blank(value: str) -> str:
 
 
 def _name(value: str) -> str:
-    _text(value)
-    if not value.translate(_JOINERS).strip():
+    _text(value)  # (a joiner follows a letter or mark: a name of joiners and spaces is none)
+    if not value.strip():
         raise ValueError("must not be blank")
     return value
+
+
+def check_identifier(value: str) -> str:
+    """``value`` if a batch accepts it as a batch, account or transaction id (1 to
+    :data:`IDENTIFIER_MAX_LENGTH` characters, :func:`_identifier`'s rules); ValueError with
+    the reason otherwise. For ids named outside a batch (GATEWAY_RATE_OVERRIDES)."""
+    if not 1 <= len(value) <= IDENTIFIER_MAX_LENGTH:
+        raise ValueError(f"must be 1 to {IDENTIFIER_MAX_LENGTH} characters")
+    return _identifier(value)
 
 
 def _currency(value: str) -> str:

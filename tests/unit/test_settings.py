@@ -42,15 +42,19 @@ def test_bad_value_names_the_variable(
     assert "\n" not in line
 
 
-def test_cli_bad_database_url_one_line_exit_2() -> None:
-    env = {"DATABASE_URL": "postgresql//broken", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run(
+def _status_all(setting: str, value: str) -> subprocess.CompletedProcess[str]:
+    """``payment-worker status --all`` with one setting and nothing else in its environment."""
+    return subprocess.run(
         [sys.executable, "-m", "payment_worker.cli", "status", "--all"],
-        env=env,
+        env={setting: value, "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_cli_bad_database_url_one_line_exit_2() -> None:
+    proc = _status_all("DATABASE_URL", "postgresql//broken")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -201,7 +205,11 @@ def test_the_edges_of_those_rules_are_accepted(monkeypatch: pytest.MonkeyPatch) 
         # an override no batch's account id can match would silently never apply
         ('{"acct-1 ": 5}', "GATEWAY_RATE_OVERRIDES: 'acct-1 ' is no account id"),
         ('{"..": 5}', "GATEWAY_RATE_OVERRIDES: '..' is no account id"),
-        ('{"acct-e\u0301": 5}', "GATEWAY_RATE_OVERRIDES: 'acct-e\u0301' is not in Unicode"),
+        (
+            '{"acct-e\u0301": 5}',
+            "GATEWAY_RATE_OVERRIDES: 'acct-e\u0301' is no account id a batch can name: must be "
+            "in Unicode normalization form NFC",
+        ),
     ],
 )
 def test_bad_rate_overrides_are_one_line(
@@ -260,14 +268,7 @@ def test_a_cross_field_rule_reads_as_one_sentence() -> None:
 
 
 def test_cli_bad_rate_overrides_one_line_exit_2() -> None:
-    env = {"GATEWAY_RATE_OVERRIDES": "{oops", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "payment_worker.cli", "status", "--all"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _status_all("GATEWAY_RATE_OVERRIDES", "{oops")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "payment-worker: invalid setting GATEWAY_RATE_OVERRIDES: expected a JSON object of "
