@@ -176,7 +176,7 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         entries += [
             (keys[int(reply[i]) - 1], reply[i + 2], reply[i + 1]) for i in range(1, len(reply), 3)
         ]
-        taken: list[tuple[str, Any]] = []
+        taken: list[tuple[str, Any, str | None]] = []  # (queue key, message, its tag)
         for key_name, raw, recorded in entries:
             # the tag the script recorded the message under, as Redis holds it (0: none)
             rtag = recorded if isinstance(recorded, bytes) else None
@@ -209,13 +209,12 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                     # UTF-8): its record would be restored after the visibility timeout, a
                     # second delivery. Delivered unrecorded instead: kombu records it
                     self._drop_record(rtag)
-            taken.append((key_name, message))
+            taken.append((key_name, message, tag))
         delivered = 0
         try:
-            for key_name, message in taken:
+            for key_name, message, tag in taken:
                 dest = key_name.rsplit(self.sep, 1)[0]
                 self._queue_cycle.rotate(dest)
-                tag = _tag(message)
                 try:
                     self.connection._deliver(message, dest)
                 except Unreadable:
@@ -240,7 +239,7 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             if delivered < len(taken):
                 # a delivery raised (a shutdown, a lost connection): the messages not
                 # handed over go back now, not after the visibility timeout
-                self._restore_taken([m for _k, m in taken[delivered:]])
+                self._restore_taken([t for _k, _m, t in taken[delivered:]])
 
     def _drop_record(self, tag: str | bytes) -> None:
         """Remove the unacked record of a dropped message (kombu's own removal, as an ack)."""
@@ -249,12 +248,11 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         except Exception:  # the broker is gone: the visibility restore meets it later
             kombu_redis.logger.warning("could not remove the record of %s", tag, exc_info=True)
 
-    def _restore_taken(self, messages: list[Any]) -> None:
-        """Put back, at the head of their queues and in their order, those of ``messages``
-        whose record the take script wrote and that kombu never took over (those it did are
-        in its own bookkeeping, restored by its rules)."""
-        for message in reversed(messages):
-            tag = _tag(message)
+    def _restore_taken(self, tags: list[str | None]) -> None:
+        """Put back, at the head of their queues and in their order, the messages of
+        ``tags`` whose record the take script wrote and that kombu never took over (those
+        it did are in its own bookkeeping, restored by its rules)."""
+        for tag in reversed(tags):
             if tag is None or tag not in self.qos.prerecorded:
                 continue
             self.qos.prerecorded.discard(tag)
