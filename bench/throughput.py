@@ -451,7 +451,9 @@ def run_scenario(num: int, args: argparse.Namespace, urls: tuple[str, str, str])
     with LocalCluster(
         workdir=workdir, env=env, concurrency=args.concurrency, pool=args.pool
     ) as cluster:
-        cluster.start_simulator(rate=args.rate, latency_ms=sc["latency_ms"])
+        cluster.start_simulator(
+            rate=args.rate, rate_limit=args.rate_limit, latency_ms=sc["latency_ms"]
+        )
         with psycopg.connect(db_url, autocommit=True) as conn:
             if args.start == "boot":
                 # counted from before the workers start, their boot included (as before)
@@ -795,6 +797,12 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=None, help="-c (default: none, settings)")
     p.add_argument("--workers", type=int, default=2, help="worker processes")
     p.add_argument("--rate", type=float, default=100.0, help="per-account quota, both sides")
+    p.add_argument(
+        "--rate-limit",
+        choices=("bucket", "window"),
+        default="bucket",
+        help="how the simulator counts its quota: token bucket, or any sliding second",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario run")
     p.add_argument(
         "--start",
@@ -841,7 +849,8 @@ def main() -> int:
     print(
         f"# {args.workers} x `{command}` → pool {pool}, concurrency {slots} "
         + (f"(departs from the defaults: {', '.join(departs)})" if departs else "(the defaults)")
-        + f"; quota {args.rate:g}/s per account in the simulator and GATEWAY_RATE_PER_SECOND; "
+        + f"; quota {args.rate:g}/s per account in the simulator and GATEWAY_RATE_PER_SECOND"
+        + f" (the simulator's limit: {args.rate_limit}); "
         + f"DB_POOL_SIZE {getattr(s, 'db_pool_size', 'n/a (not a setting in this tree)')}; "
         + (
             "timed from the load's release to every worker at once (--start ready)"

@@ -45,6 +45,7 @@ from payment_worker.dev.simulator_faults import (
 from payment_worker.dev.simulator_state import (
     CREATE_ONLY_FAULTS,
     FAULTS,
+    RATE_LIMITS,
     SimConfig,
     SimState,
     Stored,
@@ -402,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-ttl", type=float, default=d.token_ttl, help="token lifetime, s")
     p.add_argument("--max-in-flight", type=int, default=d.max_in_flight, help="per account")
     p.add_argument("--rate", type=float, default=d.rate, help="requests/s per account")
+    p.add_argument(
+        "--rate-limit",
+        choices=RATE_LIMITS,
+        default=d.rate_limit,
+        help="bucket: a token bucket of --rate capacity; window: at most --rate in any second",
+    )
     p.add_argument("--token-rate", type=float, default=d.token_rate, help="token requests/s")
     p.add_argument("--latency-ms", type=float, default=d.latency_ms)
     p.add_argument("--latency-jitter-ms", type=float, default=d.latency_jitter_ms)

@@ -20,6 +20,8 @@ from payment_worker.domain.idempotency import fingerprint
 
 # scriptable only on creates: each one decides what happens to a payment
 CREATE_ONLY_FAULTS = ("hold", "outage_after_apply", "html_200")
+# how ``SimConfig.rate`` is counted (``Bucket``, ``Window``)
+RATE_LIMITS = ("bucket", "window")
 # kinds of answers ``POST /_sim/script`` can force
 FAULTS = ("429", "503", "500", "502", "504", "lost", "slow", *CREATE_ONLY_FAULTS)
 _CURRENCY = re.compile(r"^[A-Z]{3}$")
@@ -32,6 +34,10 @@ class SimConfig:
     token_ttl: float = 300.0  # seconds a token lives (expires_in)
     max_in_flight: int = 1  # concurrent requests per account before 429
     rate: float = 20.0  # requests/s per account (payments and lookups) before 429
+    # how the rate is counted: "bucket", a token bucket of `rate` capacity (lenient: up to
+    # twice the rate in a second after a quiet one), or "window", at most floor(rate) (at
+    # least 1) requests in any sliding second (the protocol's words read to the letter)
+    rate_limit: str = "bucket"
     token_rate: float = 10.0  # token requests/s per account before 429
     latency_ms: float = 0.0  # mean processing latency
     latency_jitter_ms: float = 0.0  # uniform +- around the mean
@@ -67,6 +73,8 @@ class SimConfig:
             if isinstance(current, str):
                 if not isinstance(value, str):
                     raise ValueError(f"{key} must be a string")
+                if key == "rate_limit" and value not in RATE_LIMITS:
+                    raise ValueError(f"{key} must be one of {', '.join(RATE_LIMITS)}")
             elif isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{key} must be a number")
             elif key.startswith("p") and not 0 <= value <= 1:
@@ -105,6 +113,22 @@ class Bucket:
 
 
 @dataclass
+class Window:
+    """At most ``floor(rate)`` (at least 1) requests admitted in any sliding second."""
+
+    admitted: deque[float] = field(default_factory=deque)
+
+    def take(self, rate: float, now: float) -> float:
+        """0.0 when the request is admitted, else the seconds until the oldest leaves."""
+        while self.admitted and self.admitted[0] <= now - 1.0:
+            self.admitted.popleft()
+        if len(self.admitted) < max(1, int(rate + 1e-9)):
+            self.admitted.append(now)
+            return 0.0
+        return self.admitted[0] + 1.0 - now
+
+
+@dataclass
 class Account:
     """Per-account gateway state."""
 
@@ -113,6 +137,7 @@ class Account:
     in_flight: int = 0
     max_in_flight_seen: int = 0
     bucket: Bucket | None = None
+    window: Window = field(default_factory=Window)
     token_bucket: Bucket | None = None
     script: deque[dict[str, Any]] = field(default_factory=deque)
     log: deque[list[Any]] = field(default_factory=lambda: deque(maxlen=5000))
@@ -248,6 +273,8 @@ class SimState:
         """0.0 if the request is within the account's quota, else seconds to wait."""
         acct = self.account(account_id)
         rate = self.config.rate
+        if self.config.rate_limit == "window":
+            return acct.window.take(rate, time.monotonic())
         if acct.bucket is None:
             acct.bucket = Bucket(max(1.0, rate), time.monotonic())
         return acct.bucket.take(rate, max(1.0, rate), time.monotonic())

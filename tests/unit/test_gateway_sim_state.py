@@ -24,6 +24,7 @@ from payment_worker.dev.simulator_state import (
     SimConfig,
     SimState,
     Stored,
+    Window,
     check_body,
     check_key,
     retry_after_header,
@@ -131,7 +132,7 @@ def test_every_config_field_has_a_flag() -> None:
         value = getattr(c, f.name)
         # a value other than the default, so that a flag that does nothing is caught
         new = (
-            "s3"
+            ("window" if f.name == "rate_limit" else "s3")
             if isinstance(value, str)
             else (value + 0.25 if f.name.startswith("p") else value + 1)
         )
@@ -304,3 +305,23 @@ def test_random_fault_draws_the_in_doubt_faults_for_creates_only(flag: str, kind
     st.config.update({flag: 1.0})
     assert random_fault(st, CREATE_FAULTS) == kind
     assert random_fault(st, LOOKUP_FAULTS) is None
+
+
+@pytest.mark.parametrize(("rate", "most"), [(20.0, 20), (2.5, 2), (0.5, 1)])
+def test_the_window_limit_admits_floor_rate_in_any_sliding_second(rate: float, most: int) -> None:
+    w = Window()
+    assert [w.take(rate, 10.0 + i * 0.001) for i in range(most)] == [0.0] * most
+    # one more within that second waits until the oldest is a second back
+    assert w.take(rate, 10.5) == pytest.approx(0.5)
+    assert w.take(rate, 10.9999) > 0
+    assert w.take(rate, 11.0) == 0.0  # a second after the first: it has left the second
+
+
+def test_the_rate_limit_is_bucket_or_window() -> None:
+    c = SimConfig()
+    assert c.rate_limit == "bucket"
+    with pytest.raises(ValueError, match="rate_limit must be one of bucket, window"):
+        c.update({"rate_limit": "fixed", "rate": 5})
+    assert (c.rate_limit, c.rate) == ("bucket", 20.0)  # all or nothing
+    c.update({"rate_limit": "window"})
+    assert c.rate_limit == "window"
