@@ -275,17 +275,18 @@ class GatewayClient:
         Never raises for Redis: a token request already sent under that refresh lock is
         read and its token stored here, and if Redis fails then, the refresh lock's TTL
         frees it (as for any refresher that dies)."""
-        tat = self.pacer.returned(account_id)
+        given = self.pacer.returned(account_id)
         owner: str | None = None
         try:
             owner = self.tokens.unused_start(account_id)
         except RedisError as exc:
             log.warning("token_release_failed", account_id=account_id, error=str(exc))
-        if tat is None and owner is None:
+        if given is None and owner is None:
             return None
+        tat, free_ms = given if given is not None else ("", 0.0)
         return EndRider(
             (self.pacer.key(account_id), self.tokens.lock_key(account_id)),
-            (tat or "", self._settings.rate_for(account_id), owner or ""),
+            (tat, f"{free_ms:.3f}", owner or ""),
         )
 
     def close(self) -> None:
@@ -483,7 +484,8 @@ class StartRider:
 class EndRider:
     """What rides on a lock's release (:class:`payment_worker.locks.arrival.EndRider`,
     ``lua/account_end.lua``'s KEYS[5..6] and ARGV[3..5]): the account's pacing state and
-    token refresh lock; the lease's ``tat`` or '', the rate, the refresh lock's owner or ''.
+    token refresh lock; the lease's ``tat`` or '', the ms from now to the account's next free
+    slot (:meth:`Pacer.returned`), the refresh lock's owner or ''.
     """
 
     keys: tuple[str, str]

@@ -41,6 +41,14 @@ them locally without another round trip:
   x rate >= 2, so an interval is at most half a lease window, at most 0.5 s). Callers that
   do not hold the lock (``held=False``) lease as above, and several processes sending for
   one account together still keep the quota.
+* **Never more than floor(rate) in any second** (the protocol's "at most `rate` requests per
+  second" read to the letter): a process keeps its last floor(rate) uses of an account
+  (``_Lease.recent``, carried from lease to lease), and a use waits until the oldest is
+  1.001 s back, whatever else allows it; so a delay is made up only as far as the last
+  second leaves room. A holder done with the account gives back the slot from which a
+  next holder, sending one request per interval, keeps the two holders' requests together
+  at floor(rate) in any second (:func:`next_free`). Callers without the lock sharing an
+  account keep the looser rate x L + 2.
 * A 429's ``Retry-After`` is recorded in the same key as a cooldown: no slot is leased
   before it ends. The process that records it drops its own lease at once (and keeps the
   account closed itself, even if the write fails); a lease held by another process runs
@@ -57,8 +65,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -73,6 +82,17 @@ _COOLDOWN = lua.load("pace_cooldown")
 
 # leases kept in a process before the expired ones are swept (one per account in flight)
 _SWEEP_AT = 1024
+
+# the protocol's "at most `rate` requests per second", read to the letter: no span of one
+# second holds more than floor(rate) of a holder's requests. A millisecond more than a second,
+# so that a gateway counting a closed second, or its clock in whole milliseconds, agrees
+_WINDOW = 1.001
+
+
+def per_second(interval: float) -> int:
+    """The most requests one second may hold at one request per ``interval`` s: floor(rate),
+    at least 1."""
+    return max(1, int(1.0 / interval + 1e-6))
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +116,27 @@ class _Lease:
     tat: bytes | None = None  # the account's first free slot after this lease, as stored
     kept: bool = False  # a lock holder went on past the lease, on its own spacing
     last_use: float = float("-inf")  # when the last slot was used (the request let go)
+    # this process's last uses of the account, one second's worth (per_second), oldest
+    # first: a use waits until the oldest is a _WINDOW back. Carried from lease to lease
+    recent: deque[float] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.recent.maxlen is None:
+            self.recent = deque(self.recent, maxlen=per_second(self.interval))
+
+    def due(self, at: float) -> float:
+        """``at``, or later when a use then would put more than one second's worth of uses
+        in one second."""
+        recent = self.recent
+        if len(recent) == recent.maxlen:
+            return max(at, recent[0] + _WINDOW)
+        return at
+
+    def use(self, now: float) -> None:
+        """A slot used now (the request let go)."""
+        self.used += 1
+        self.last_use = now
+        self.recent.append(now)
 
 
 class Pacer:
@@ -240,12 +281,15 @@ class Pacer:
         # the first slot is never used before its time (counted from the answer), the last
         # never after the window as the server knows it (counted from the request)
         start = got + delay_s
-        if last is not None:
-            # a slot of the last lease used late (a slow request) must not bunch up with the
-            # first of this one: this process's own requests stay an interval apart
-            start = max(start, last.next_at)
         granted = int(granted)
         lease = _Lease(interval, start, sent + delay_s + granted * interval, granted)
+        if last is not None:
+            # a slot of the last lease used late (a slow request) must not bunch up with the
+            # first of this one: this process's own requests stay an interval apart, and
+            # its last second of uses still counts
+            lease.next_at = max(start, last.next_at)
+            if last.interval == interval:
+                lease.recent = last.recent
         lease.tat = _as_bytes(answer[2]) if len(answer) > 2 else None
         with self._lock:
             if len(self._leases) + len(self._closed) >= _SWEEP_AT:
@@ -290,41 +334,41 @@ class Pacer:
         the lease is spent, void or of another rate."""
         if lease.left <= 0 or lease.interval != interval:
             return None
-        at = max(now, lease.next_at)
+        at = lease.due(max(now, lease.next_at))
         # the first slot is always usable: it is the one a single-slot lease would give
         if lease.used > 0 and at >= lease.end:
             return None
         if at > now:
             return at - now
         lease.left -= 1
-        lease.used += 1
-        lease.last_use = now
+        lease.use(now)
         lease.next_at = now + interval  # spaced from this use, never bunched after a delay
         return 0.0
 
     @staticmethod
     def _keep(lease: _Lease, interval: float, now: float) -> float | None:
         """With ``_lock`` held, for a caller that holds the account's lock and is past a lease
-        it used: 0.0 (a slot taken, one interval after the previous slot and at least half
-        an interval after the last use), the wait for that slot, or None (no such lease: a
-        script decides)."""
+        it used: 0.0 (a slot taken, one interval after the previous slot, at least half an
+        interval after the last use, and no more than floor(rate) uses in a second), the
+        wait for that slot, or None (no such lease: a script decides)."""
         if lease.used == 0 or lease.interval != interval:
             return None
-        if lease.next_at > now:
-            return lease.next_at - now
-        lease.used += 1
+        at = lease.due(lease.next_at)
+        if at > now:
+            return at - now
+        lease.use(now)
         lease.kept = True
-        lease.last_use = now
         # one interval after the previous slot, so a use delayed by less than half an
         # interval (a core or the GIL taken) is made up, not added to the spacing; never
         # less than half an interval after this use: uses i < j stay (j - i - 1/2) intervals
-        # apart, at most rate x L + 1.5 in any span of L seconds (rate x L + 1 before)
+        # apart, at most rate x L + 1.5 in any span of L seconds (rate x L + 1 before). A
+        # delay is made up only as far as the last second's uses leave room (``due``)
         lease.next_at = max(lease.next_at + interval, now + interval / 2)
         return 0.0
 
     def _sweep(self, now: float) -> None:
         # a lease whose last use is less than an interval back still spaces the next one
-        expired = [a for a, lease in self._leases.items() if _spent_by(lease) <= now]
+        expired = [a for a, lease in self._leases.items() if _spent(lease, now)]
         for account_id in expired:
             del self._leases[account_id]
         for account_id in [a for a, (ask, _) in self._closed.items() if ask <= now]:
@@ -357,25 +401,31 @@ class Pacer:
             time.sleep(min(wait, self._max_poll))
             waited = time.monotonic() - start
 
-    def returned(self, account_id: str) -> bytes | None:
+    def returned(self, account_id: str) -> tuple[bytes, float] | None:
         """The holder is done with the account: this process's lease of it is dropped, and
-        the ``tat`` to give back (``lua/account_end.lua``'s ARGV[3]) is returned when there is
-        something to give, else None: a lease with slots left whose window has not ended, or
-        one whose last request left less than an interval ago (the stored timeline does not
-        know when: a slot is spent from its actual use, so the last may go just before the
-        window ends, and a holder past its lease goes on on its own spacing). The lock's
+        what to give back is returned when there is something to give, else None: the
+        ``tat`` its lease left and the ms from now to the account's next free slot
+        (``lua/account_end.lua``'s ARGV[3] and ARGV[4]). Something to give: a lease with
+        slots left whose window has not ended (the next slot an interval from now), or a
+        next free slot still ahead (:func:`next_free`: the last request left less than an
+        interval ago, or the last second's requests leave no room yet; the stored timeline
+        does not know: a slot is spent from its actual use, so the last may go just before
+        the window ends, and a holder past its lease goes on on its own spacing). The lock's
         release sends it (``lua/account_end.lua``: if nobody leased since, the first free
-        slot becomes one interval from then)."""
+        slot becomes that far from then)."""
         with self._lock:
             lease = self._leases.pop(account_id, None)
         if lease is None or lease.tat is None:
             return None
         now = self._clock()
-        if lease.last_use + lease.interval > now:
-            return lease.tat  # the next holder starts an interval after this release
+        free = next_free(lease)
+        if free > now + lease.interval:
+            return lease.tat, (free - now) * 1000
+        if free > now:
+            return lease.tat, lease.interval * 1000  # an interval after this release
         if lease.kept or lease.left <= 0 or lease.end <= now:
             return None  # spent, or the window is over: the timeline has passed it already
-        return lease.tat
+        return lease.tat, lease.interval * 1000
 
     def cooldown(self, account_id: str, seconds: float) -> float:
         """Close the account for ``seconds`` in every process (a 429's Retry-After); this
@@ -395,9 +445,38 @@ class Pacer:
 
 
 def _spent_by(lease: _Lease) -> float:
-    """When a lease stops mattering: its window over, its next slot due, and its last use an
-    interval back (a next lease from Redis then keeps the interval by itself)."""
-    return max(lease.end, lease.next_at, lease.last_use + lease.interval)
+    """When a lease stops mattering: its window over, its next slot due, and its uses no
+    longer spacing the next (:func:`next_free`: a next lease from Redis then keeps the
+    quota by itself)."""
+    return max(lease.end, lease.next_at, next_free(lease))
+
+
+def _spent(lease: _Lease, now: float) -> bool:
+    """``_spent_by(lease) <= now``, without reading the uses when the last is long past (a
+    sweep reads every lease the process keeps)."""
+    if max(lease.end, lease.next_at) > now:
+        return False
+    # (next_free is never later than this)
+    if lease.last_use + max(lease.interval, _WINDOW) <= now:
+        return True
+    return next_free(lease) <= now
+
+
+def next_free(lease: _Lease) -> float:
+    """The earliest moment another holder, starting afresh and sending one request per
+    interval from then, keeps the quota with this lease's uses before it: an interval after
+    the last use, and late enough that no second holds more than floor(rate) of the two
+    holders' requests together. The successor's j-th request leaves at least j intervals
+    after it starts, and the one ``per_second`` before it in the joint order is this
+    holder's, if any."""
+    free = lease.last_use + lease.interval
+    recent = lease.recent
+    assert recent.maxlen is not None
+    # the successor's j-th request follows recent[i] by per_second - (k - i) requests
+    back = recent.maxlen - len(recent)
+    for i, at in enumerate(recent):
+        free = max(free, at + _WINDOW - (back + i) * lease.interval)
+    return free
 
 
 def _as_bytes(value: bytes | str) -> bytes:

@@ -61,8 +61,8 @@ class EndRider(Protocol):
 
     @property
     def args(self) -> tuple[bytes | str | float, ...]:
-        """The lease's ``tat`` to give back ('' for none), the rate, and the refresh lock's
-        owner value to release ('' for none)."""
+        """The lease's ``tat`` to give back ('' for none), the ms from now to the account's
+        next free slot, and the refresh lock's owner value to release ('' for none)."""
         ...
 
 

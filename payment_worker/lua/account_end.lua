@@ -14,7 +14,7 @@
 -- ARGV[1]  the releasing holder's token
 -- ARGV[2]  the lock TTL in ms (given to the waiter the lock is handed to)
 -- ARGV[3]  the `tat` the holder's lease left, or '' (nothing to give back)
--- ARGV[4]  the pacing rate, requests per second
+-- ARGV[4]  the ms from now to the account's next free slot (at least an interval)
 -- ARGV[5]  the refresh lock's owner value, or '' (none to release)
 --
 -- Returns {release, marked, given, freed}: `release` lock_release.lua's reply without the

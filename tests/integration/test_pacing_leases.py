@@ -38,19 +38,20 @@ SECONDS = 2.0
 PROCESSES = 3
 
 
-def give_back(client: redis.Redis, pacer: Pacer, account_id: str, rate: float) -> bool:
+def give_back(client: redis.Redis, pacer: Pacer, account_id: str) -> bool:
     """What a holder done with the account sends, as the drain sends it: the ``tat``
     :meth:`Pacer.returned` hands over, given back by the lock's release script
     (``lua/account_end.lua``; no lock is held here, so the release part changes nothing).
     True when given back; no script at all when there is nothing to give."""
-    tat = pacer.returned(account_id)
-    if tat is None:
+    given = pacer.returned(account_id)
+    if given is None:
         return False
+    tat, free_ms = given
     keys = [f"pw:test-lock:{{{account_id}}}{part}" for part in ("", ":queue", ":waiters", ":mark")]
     end = client.register_script(lua.load("account_end"))
     reply = end(
         keys=[*keys, pacer.key(account_id), f"pw:test-token-lock:{{{account_id}}}"],
-        args=["", 1, tat, rate, ""],
+        args=["", 1, tat, free_ms, ""],
     )
     return int(reply[2]) == 1
 
@@ -205,19 +206,19 @@ def test_a_holder_done_with_the_account_gives_the_rest_of_its_lease_back(
     # of its own (a pacer remembers a closed account locally for that long)
     probe = Pacer(redis_client, "pw", lease_seconds=1.0)
     assert probe.try_acquire("acct-back", rate, ahead=0.0) > 0.8
-    assert give_back(redis_client, first, "acct-back", rate)
+    assert give_back(redis_client, first, "acct-back")
     t0 = time.monotonic()
     assert nxt.acquire("acct-back", rate, max_wait=1.0).acquired
     waited = time.monotonic() - t0
     assert waited <= 1 / rate + 0.05  # one interval after the give-back, not the window
     # the next holder leased since: a late give-back of the first one changes nothing
-    assert not give_back(redis_client, first, "acct-back", rate)  # its lease is gone already
+    assert not give_back(redis_client, first, "acct-back")  # its lease is gone already
     stale = Pacer(redis_client, "pw", lease_seconds=1.0)
     assert stale.acquire("acct-stale", rate, max_wait=1.0).acquired
     assert nxt.acquire("acct-stale", rate, max_wait=0.2).acquired is False  # a window ahead
     # another lease followed this one's (forced here by moving the timeline on): no give-back
     redis_client.hset(stale.key("acct-stale"), "tat", "99999999999999.000")
-    assert not give_back(redis_client, stale, "acct-stale", rate)
+    assert not give_back(redis_client, stale, "acct-stale")
     assert redis_client.hget(stale.key("acct-stale"), "tat") == b"99999999999999.000"
 
 
@@ -228,8 +229,8 @@ def test_a_spent_lease_costs_no_give_back_script(redis_client: redis.Redis) -> N
     assert pacer.acquire("acct-spent", rate, max_wait=1.0).acquired  # the block is spent
     time.sleep(1 / rate + 0.01)  # and its last request an interval back (below: not yet)
     before = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-    assert not give_back(redis_client, pacer, "acct-spent", rate)
-    assert not give_back(redis_client, pacer, "acct-none", rate)  # never leased here
+    assert not give_back(redis_client, pacer, "acct-spent")
+    assert not give_back(redis_client, pacer, "acct-none")  # never leased here
     after = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
     assert after == before
 
@@ -248,9 +249,31 @@ def test_a_spent_lease_whose_last_request_just_left_is_given_back(
     time.sleep(0.15)  # the second slot used late, near the window's end
     assert first.acquire("acct-late", rate, max_wait=1.0).acquired
     last = time.monotonic()
-    assert give_back(redis_client, first, "acct-late", rate)
+    assert give_back(redis_client, first, "acct-late")
     assert nxt.acquire("acct-late", rate, max_wait=1.0).acquired
     assert time.monotonic() - last >= 1 / rate - 0.01
+
+
+def test_the_give_back_holds_the_next_holder_until_the_last_second_leaves_room(
+    redis_client: redis.Redis,
+) -> None:
+    """The give-back sets the next free slot as far from now as ``Pacer.returned`` says,
+    not an interval on: a holder whose last second of requests is full keeps the next
+    holder, in another process, until the two together stay at floor(rate) in any second."""
+    rate = 10.0  # blocks of 2 slots, 100 ms apart
+    first = Pacer(redis_client, "pw", lease_seconds=0.2)
+    nxt = Pacer(redis_client, "pw", lease_seconds=0.2)
+    assert first.acquire("acct-full", rate, max_wait=1.0, held=True).acquired
+    now = time.monotonic()
+    # its last second: ten requests in the last half second (as if delays were made up)
+    lease = first._leases["acct-full"]
+    lease.recent.clear()
+    lease.recent.extend(now - 0.5 + i * 0.05 for i in range(10))
+    lease.last_use = lease.recent[-1]
+    assert give_back(redis_client, first, "acct-full")
+    assert nxt.acquire("acct-full", rate, max_wait=2.0, held=True).acquired
+    # the oldest of the ten a second back (1.001 s), not an interval after the last
+    assert time.monotonic() - (now - 0.5) >= 1.001 - 0.01
 
 
 def test_a_give_back_after_the_timeline_expired_still_spaces_the_next_holder(
@@ -271,7 +294,7 @@ def test_a_give_back_after_the_timeline_expired_still_spaces_the_next_holder(
     assert first.acquire("acct-long", rate, max_wait=1.0, held=True).acquired  # own spacing
     last = time.monotonic()
     assert first.scripts == 1
-    assert give_back(redis_client, first, "acct-long", rate)
+    assert give_back(redis_client, first, "acct-long")
     assert redis_client.pttl(first.key("acct-long")) > 1000  # kept past the slot it set
     assert nxt.acquire("acct-long", rate, max_wait=1.0, held=True).acquired
     assert time.monotonic() - last >= 1 / rate - 0.01
@@ -328,7 +351,7 @@ def test_a_holder_that_kept_its_spacing_hands_it_to_the_next_holder(
     assert first.scripts == 1  # that request went on the holder's own spacing
     # done right after it: the stored timeline must learn that request, or the next holder
     # would go at once
-    assert give_back(redis_client, first, "acct-hand", rate)
+    assert give_back(redis_client, first, "acct-hand")
     assert nxt.acquire("acct-hand", rate, max_wait=1.0, held=True).acquired
     assert time.monotonic() - last >= 1 / rate - 0.01  # the server's clock vs this one's
 
@@ -338,7 +361,7 @@ def test_a_holder_that_kept_its_spacing_hands_it_to_the_next_holder(
     assert first.acquire("acct-quiet", rate, max_wait=1.0, held=True).acquired
     time.sleep(1 / rate + 0.02)
     before = _evalsha(redis_client)
-    assert not give_back(redis_client, first, "acct-quiet", rate)
+    assert not give_back(redis_client, first, "acct-quiet")
     assert _evalsha(redis_client) == before
 
 
