@@ -13,7 +13,7 @@ import random
 import pytest
 import redis
 
-from payment_worker.gateway.pacing import Pacer, _Lease, _spent, _spent_by, next_free
+from payment_worker.gateway.pacing import _WINDOW, Pacer, _Lease, _spent, _spent_by, next_free
 
 RATE = 100.0
 INTERVAL = 1.0 / RATE
@@ -53,7 +53,8 @@ def test_delays_shorter_than_half_an_interval_are_made_up() -> None:
     uses = _uses([0.003] * 1000)
     assert uses[1] - uses[0] == pytest.approx(INTERVAL + 0.003)  # the first delay is not
     rate = (len(uses) - 1) / (uses[-1] - uses[0])
-    assert rate == pytest.approx(RATE, rel=0.01)
+    # (a second counted 2 % long: the quota's share of it)
+    assert rate == pytest.approx(RATE / _WINDOW, rel=0.01)
 
 
 def test_a_long_delay_is_made_up_by_half_an_interval_at_most() -> None:
@@ -84,7 +85,8 @@ def test_random_delays_never_crowd_a_span(seed: int) -> None:
 def test_short_delays_made_up_never_put_rate_plus_one_in_a_second(late: str, seed: int) -> None:
     """A thread that wakes a little late now and then (the common case): each delay made up
     in full put rate + 1 in some second (in every seed, before); now the holder still keeps
-    more than 99 % of the quota, where spacing from each use kept 77 % at 3 ms late."""
+    more than 97 % of the quota (a second is counted 2 % long), where spacing from each use
+    kept 77 % at 3 ms late."""
     rng = random.Random(seed)
     pick = {
         "tiny": lambda: rng.uniform(0, 0.0005),
@@ -93,7 +95,7 @@ def test_short_delays_made_up_never_put_rate_plus_one_in_a_second(late: str, see
     }[late]
     uses = _uses([pick() for _ in range(2000)])
     assert _most_in_any_span(uses, 1.0) <= RATE
-    assert (len(uses) - 1) / (uses[-1] - uses[0]) > 0.99 * RATE
+    assert (len(uses) - 1) / (uses[-1] - uses[0]) > 0.97 * RATE
 
 
 @pytest.mark.parametrize("rate", [1.0, 2.5, 20.0, 33.3])
@@ -122,9 +124,9 @@ def test_a_lease_matters_until_its_last_use_is_an_interval_back() -> None:
     for at in uses:
         assert Pacer._keep(lease, INTERVAL, at) == 0.0
     assert lease.next_at == pytest.approx(uses[-1] + INTERVAL / 2)
-    # (and a millisecond: a next holder an interval on, at the quota, would send its
-    # hundredth request a second after this one, a second being counted as 1.001 s)
-    assert _spent_by(lease) == pytest.approx(uses[-1] + INTERVAL + 0.001)
+    # (and the time a second is counted longer: a next holder an interval on, at the
+    # quota, would send its hundredth request a second after this one)
+    assert _spent_by(lease) == pytest.approx(uses[-1] + INTERVAL + (_WINDOW - 1))
 
 
 @pytest.mark.parametrize("rate", [3.0, 10.0, 100.0])
@@ -154,10 +156,10 @@ def test_a_sweep_reads_the_uses_only_while_they_still_space_the_next() -> None:
     last = uses[-1]
     # not before the last second's first use is a second back, nor later than a second
     # after the last use
-    assert uses[-100] + 1.001 <= _spent_by(lease) <= last + 1.001
+    assert uses[-100] + _WINDOW <= _spent_by(lease) <= last + _WINDOW
     assert not _spent(lease, _spent_by(lease) - 1e-6)
     assert _spent(lease, _spent_by(lease) + 1e-6)
-    assert _spent(lease, last + 1.002)
+    assert _spent(lease, last + _WINDOW + 0.001)
 
 
 class _Clock:
@@ -202,12 +204,13 @@ def test_the_give_back_is_an_interval_when_the_last_second_leaves_room() -> None
     clock = _Clock()
     lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
     uses = _drive(lease, [0.0, 0.0, 0.0])  # three requests: the second has room
-    clock.now = uses[-1] + INTERVAL / 4
+    # (the last one's own second: a next holder an interval and the margin after it)
+    clock.now = uses[-1] + (_WINDOW - 1) + INTERVAL / 2
     given = _held_pacer(clock, lease).returned("a")
     assert given is not None and given[1] == pytest.approx(INTERVAL * 1000)
-    # an interval after the last one (and the millisecond a second is counted longer):
-    # nothing to give, the stored timeline is past it
+    # an interval after the last one (and the time a second is counted longer): nothing
+    # to give, the stored timeline is past it
     lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
     uses = _drive(lease, [0.0, 0.0, 0.0])
-    clock.now = uses[-1] + INTERVAL + 0.0011
+    clock.now = uses[-1] + INTERVAL + (_WINDOW - 1) + 0.0001
     assert _held_pacer(clock, lease).returned("a") is None
