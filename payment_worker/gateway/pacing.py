@@ -20,8 +20,9 @@ them locally without another round trip:
 * A holder done with the account (its drain ends, the account lock about to be released)
   gives the unused rest of its lease back (:meth:`Pacer.returned`, sent in the lock's
   release), unless another lease
-  followed: the next holder, in any process, starts one interval later instead of after
-  the window. A window can therefore span many requests at real gateway latency (one
+  followed: the next holder, in any process, starts an interval later (or as much later
+  as the holder's last second of requests asks, :func:`next_free`) instead of after the
+  window. A window can therefore span many requests at real gateway latency (one
   script per block, not per request) without delaying the next holder; only a holder that
   dies keeps its window until it ends.
 * **A lock holder past its lease keeps its own spacing** (``held=True``: the caller holds
@@ -32,8 +33,9 @@ them locally without another round trip:
   taken) makes the delay up instead of adding it to every interval, while no span of L
   seconds holds more than rate x L + 1.5 of its requests (rate x L + 1 spaced from each
   use: the same whole number for a whole second at a whole rate). Redis learns the holder's
-  spacing when it is done (the give-back sets the first free slot one interval
-  from then, when its last request is less than an interval back). A holder at real gateway
+  spacing when it is done (the give-back sets the first free slot where a next holder
+  keeps the quota with this one's last second, :func:`next_free`, when that is still
+  ahead). A holder at real gateway
   latency (one request per second, a quota of 20/s) thus runs one script per drain instead
   of one per request. A holder that dies cannot hand its spacing over, and needs not: its
   account is taken over only after its liveness (3 s by default) or its lock lapses, while
@@ -44,11 +46,12 @@ them locally without another round trip:
 * **Never more than floor(rate) in any second** (the protocol's "at most `rate` requests per
   second" read to the letter): a process keeps its last floor(rate) uses of an account
   (``_Lease.recent``, carried from lease to lease), and a use waits until the oldest is
-  1.02 s back (``_WINDOW``), whatever else allows it; so a delay is made up only as far as the last
-  second leaves room. A holder done with the account gives back the slot from which a
-  next holder, sending one request per interval, keeps the two holders' requests together
-  at floor(rate) in any second (:func:`next_free`). Callers without the lock sharing an
-  account keep the looser rate x L + 2.
+  1.02 s back (``_WINDOW``), whatever else allows it; a lease dropped (swept, refused,
+  closed by a 429) leaves its uses behind (``_Lease.void``); so a delay is made up only as
+  far as the last second leaves room. A holder done with the account gives back the slot
+  from which a next holder, sending one request per interval, keeps the two holders'
+  requests together at floor(rate) in any second (:func:`next_free`). Callers without the
+  lock sharing an account keep the looser rate x L + 2.
 * A 429's ``Retry-After`` is recorded in the same key as a cooldown: no slot is leased
   before it ends. The process that records it drops its own lease at once (and keeps the
   account closed itself, even if the write fails); a lease held by another process runs
@@ -141,6 +144,21 @@ class _Lease:
         self.last_use = now
         self.recent.append(now)
 
+    def void(self) -> _Lease:
+        """What is kept of this lease once it is dropped (a 429's cooldown, a lease refused
+        for lying too far ahead, Redis out of reach): its uses, which still space the next
+        request, and its ``tat`` for the give-back; no slot and no window, so the next lease
+        is asked for as by a process that comes fresh."""
+        return _Lease(
+            self.interval,
+            self.next_at,
+            float("-inf"),
+            0,
+            tat=self.tat,
+            last_use=self.last_use,
+            recent=self.recent,
+        )
+
 
 class Pacer:
     """A per-account slot timeline shared through Redis, leased in blocks; thread-safe.
@@ -173,6 +191,9 @@ class Pacer:
         # again, its first slot then within reach; when that slot opens). The process's
         # other threads wait without asking again
         self._closed: dict[str, tuple[float, float]] = {}
+        # leases and closed accounts kept before the next sweep: twice what the last sweep
+        # kept, so that a process with more accounts in flight does not sweep at every lease
+        self._sweep_at = _SWEEP_AT
         self.scripts = 0  # lease scripts run (tests and benchmarks)
 
     def key(self, account_id: str) -> str:
@@ -247,8 +268,18 @@ class Pacer:
         n, reach_ms = self._reach(rate, interval, last, now)
         ahead_ms = reach_ms if ahead is None else max(0.0, min(reach_ms, ahead * 1000))
         sent = self._clock()
-        answer = self._acquire(keys=[self.key(account_id)], args=[rate, n, ahead_ms])
+        try:
+            answer = self._acquire(keys=[self.key(account_id)], args=[rate, n, ahead_ms])
+        except Exception:
+            self._keep_uses(account_id, last)
+            raise
         return self._install(account_id, interval, last, answer, sent)
+
+    def _keep_uses(self, account_id: str, last: _Lease | None) -> None:
+        """No lease came in place of ``last``: its uses are kept (:meth:`_Lease.void`)."""
+        if last is not None and last.used + len(last.recent) > 0:
+            with self._lock:
+                self._leases.setdefault(account_id, last.void())
 
     def _reach(
         self, rate: float, interval: float, last: _Lease | None, now: float
@@ -277,9 +308,10 @@ class Pacer:
         if int(granted) == 0:
             opens_s = float(answer[2]) / 1000 if len(answer) > 2 else delay_s
             with self._lock:
-                if len(self._leases) + len(self._closed) >= _SWEEP_AT:
+                if len(self._leases) + len(self._closed) >= self._sweep_at:
                     self._sweep(got)
                 self._closed[account_id] = (got + delay_s, got + opens_s)
+            self._keep_uses(account_id, last)
             return delay_s, opens_s
         # the first slot is never used before its time (counted from the answer), the last
         # never after the window as the server knows it (counted from the request)
@@ -289,13 +321,15 @@ class Pacer:
         if last is not None:
             # a slot of the last lease used late (a slow request) must not bunch up with the
             # first of this one: this process's own requests stay an interval apart, and
-            # its last second of uses still counts
+            # its last second of uses still counts (a new rate's floor of them)
             lease.next_at = max(start, last.next_at)
-            if last.interval == interval:
-                lease.recent = last.recent
+            lease.last_use = last.last_use
+            lease.recent = last.recent
+            if last.recent.maxlen != per_second(interval):
+                lease.recent = deque(last.recent, maxlen=per_second(interval))
         lease.tat = _as_bytes(answer[2]) if len(answer) > 2 else None
         with self._lock:
-            if len(self._leases) + len(self._closed) >= _SWEEP_AT:
+            if len(self._leases) + len(self._closed) >= self._sweep_at:
                 self._sweep(got)
             self._leases[account_id] = lease
             wait = self._take(lease, interval, self._clock()) if take else None
@@ -376,6 +410,7 @@ class Pacer:
             del self._leases[account_id]
         for account_id in [a for a, (ask, _) in self._closed.items() if ask <= now]:
             del self._closed[account_id]
+        self._sweep_at = max(_SWEEP_AT, 2 * (len(self._leases) + len(self._closed)))
 
     def acquire(
         self, account_id: str, rate: float, max_wait: float, *, held: bool = False
@@ -437,7 +472,9 @@ class Pacer:
         logs it, and this process's next request must not meet another 429)."""
         now = self._clock()
         with self._lock:
-            self._leases.pop(account_id, None)
+            lease = self._leases.pop(account_id, None)
+            if lease is not None:
+                self._leases[account_id] = lease.void()  # its uses still count
             self._closed[account_id] = (now + seconds, now + seconds)
         ms = max(1, int(seconds * 1000))
         # (a longer cooldown already recorded stands: the answer is its time left)
