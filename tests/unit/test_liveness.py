@@ -15,14 +15,7 @@ from payment_worker.dev.faults import holder_pid
 from payment_worker.locks.liveness import Liveness, holder_of, lock_value, make_holder_id
 from payment_worker.redis_keys import RedisKeys
 from payment_worker.settings import Settings
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import FakeClock
 
 
 class ScriptedRedis:
@@ -30,7 +23,7 @@ class ScriptedRedis:
     what the key held (None: missing or expired), or an error. ``value``: the key last
     written (None after a flush)."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self.store: dict[str, tuple[bytes, float]] = {}
         self.last_key = ""
@@ -95,8 +88,8 @@ class ScriptedPipeline:
 
 
 @pytest.fixture
-def parts() -> tuple[Liveness, ScriptedRedis, Clock]:
-    clock = Clock()
+def parts() -> tuple[Liveness, ScriptedRedis, FakeClock]:
+    clock = FakeClock()
     r = ScriptedRedis(clock)
     live = Liveness(
         r,  # type: ignore[arg-type]
@@ -144,7 +137,7 @@ def test_a_beat_after_a_gap_starts_a_new_epoch(parts: Any) -> None:
     assert live.current_epoch() == 2 and not live.vouches(1)
 
 
-def _restored(live: Liveness, r: ScriptedRedis, clock: Clock) -> tuple[str, str]:
+def _restored(live: Liveness, r: ScriptedRedis, clock: FakeClock) -> tuple[str, str]:
     """Two beats, then the liveness key restored with the first's value (a snapshot taken
     between them), half a second on: the next beat finds a gap within the window. Returns
     the holder id and key of before."""

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from payment_worker.gateway.pacing import _WINDOW, Pacer, _Lease, _spent, _spent_by, next_free
+from tests.fakes import FakeClock
 
 RATE = 100.0
 INTERVAL = 1.0 / RATE
@@ -162,15 +163,7 @@ def test_a_sweep_reads_the_uses_only_while_they_still_space_the_next() -> None:
     assert _spent(lease, last + _WINDOW + 0.001)
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _held_pacer(clock: _Clock, lease: _Lease) -> Pacer:
+def _held_pacer(clock: FakeClock, lease: _Lease) -> Pacer:
     """A pacer holding ``lease`` of account "a" (no Redis command is sent here)."""
     pacer = Pacer(redis.Redis(), lease_seconds=0.5, clock=clock)
     lease.tat = b"123.000"
@@ -183,7 +176,7 @@ def test_the_give_back_leaves_room_for_the_last_seconds_requests() -> None:
     second, one of them late: an interval after its last one, a next holder sending at the
     quota would put rate + 1 in the second after the late one. The give-back names the slot
     from which it cannot."""
-    clock = _Clock()
+    clock = FakeClock()
     lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
     uses = _drive(lease, [0.0] * 10 + [0.0049] + [0.0] * 89)  # late once, then made up
     assert uses[-1] - uses[0] < 1.0 and len(uses) == RATE
@@ -201,7 +194,7 @@ def test_the_give_back_leaves_room_for_the_last_seconds_requests() -> None:
 
 
 def test_the_give_back_is_an_interval_when_the_last_second_leaves_room() -> None:
-    clock = _Clock()
+    clock = FakeClock()
     lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
     uses = _drive(lease, [0.0, 0.0, 0.0])  # three requests: the second has room
     # (the last one's own second: a next holder an interval and the margin after it)

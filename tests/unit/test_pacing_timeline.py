@@ -18,22 +18,15 @@ import pytest
 import redis
 
 from payment_worker.gateway.pacing import Pacer
+from tests.fakes import FakeClock
 
 ACCOUNT = "acct"
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class _Timeline:
     """``pace_acquire.lua``'s rules for one account, on the fake clock (ms)."""
 
-    def __init__(self, clock: _Clock) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self.tat: float | None = None
         self.until = 0.0
@@ -57,7 +50,7 @@ class _Timeline:
         return int(self.until - self.clock.now * 1000)
 
 
-def _pacer(clock: _Clock, lease_seconds: float) -> tuple[Pacer, _Timeline]:
+def _pacer(clock: FakeClock, lease_seconds: float) -> tuple[Pacer, _Timeline]:
     pacer = Pacer(redis.Redis(), lease_seconds=lease_seconds, clock=clock)  # sends nothing
     timeline = _Timeline(clock)
     pacer._acquire = timeline  # type: ignore[assignment]
@@ -79,7 +72,7 @@ def _holder(
     slot gives up when the slot is further ahead than it would wait (``ahead``), and the
     rate changes for a while."""
     rng = random.Random(seed)
-    clock = _Clock()
+    clock = FakeClock()
     pacer, _ = _pacer(clock, lease_seconds)
     uses: list[float] = []
     current = rate
@@ -116,7 +109,7 @@ def test_a_holder_keeps_floor_rate_in_any_second_whatever_befalls_its_lease(
 @pytest.mark.parametrize("seed", range(4))
 def test_sweeps_and_refused_leases_keep_the_last_second(rate: float, seed: int) -> None:
     rng = random.Random(seed)
-    clock = _Clock()
+    clock = FakeClock()
     pacer, _ = _pacer(clock, 0.5)
     uses: list[float] = []
     while len(uses) < (100 if rate < 5 else 300):
@@ -132,7 +125,7 @@ def test_sweeps_and_refused_leases_keep_the_last_second(rate: float, seed: int) 
 def test_a_short_cooldown_keeps_the_last_second(seed: int) -> None:
     """A 429's Retry-After shorter than a second: the requests before it still count."""
     rng = random.Random(seed)
-    clock = _Clock()
+    clock = FakeClock()
     pacer, _ = _pacer(clock, 0.5)
     rate = 50.0
     uses: list[float] = []
