@@ -46,9 +46,10 @@ them locally without another round trip:
 * **Never more than floor(rate) in any second** (the protocol's "at most `rate` requests per
   second" read to the letter): a process keeps its last floor(rate) uses of an account
   (``_Lease.recent``, carried from lease to lease), and a use waits until the oldest is
-  1.02 s back (``_WINDOW``), whatever else allows it; a lease dropped (swept, refused,
-  closed by a 429) leaves its uses behind (``_Lease.void``); so a delay is made up only as
-  far as the last second leaves room. A holder done with the account gives back the slot
+  1.02 s back (``_WINDOW``), whatever else allows it; a lease is swept only once its uses
+  no longer count, and one dropped sooner (refused, closed by a 429, Redis out of reach)
+  leaves its uses behind (``_Lease.void``); so a delay is made up only as far as the last
+  second leaves room. A holder done with the account gives back the slot
   from which a next holder, sending one request per interval, keeps the two holders'
   requests together at floor(rate) in any second (:func:`next_free`). Callers without the
   lock sharing an account keep the looser rate x L + 2.
@@ -83,7 +84,8 @@ from payment_worker.redis_keys import RedisKeys
 _ACQUIRE = lua.load("pace_acquire")
 _COOLDOWN = lua.load("pace_cooldown")
 
-# leases kept in a process before the expired ones are swept (one per account in flight)
+# leases (and closed accounts) kept in a process before the first sweep of those that no
+# longer matter (one per account in flight); later sweeps come at twice what the last kept
 _SWEEP_AT = 1024
 
 # the protocol's "at most `rate` requests per second", read to the letter: no span of one
@@ -277,7 +279,7 @@ class Pacer:
 
     def _keep_uses(self, account_id: str, last: _Lease | None) -> None:
         """No lease came in place of ``last``: its uses are kept (:meth:`_Lease.void`)."""
-        if last is not None and last.used + len(last.recent) > 0:
+        if last is not None and last.recent:
             with self._lock:
                 self._leases.setdefault(account_id, last.void())
 
@@ -359,7 +361,11 @@ class Pacer:
         holder's first request takes its slot without a round trip."""
         with self._lock:
             last = self._leases.pop(account_id, None)
-        self._install(account_id, 1.0 / rate, last, answer, sent, take=False)
+        try:
+            self._install(account_id, 1.0 / rate, last, answer, sent, take=False)
+        except Exception:
+            self._keep_uses(account_id, last)  # an answer it could not read
+            raise
 
     def now(self) -> float:
         """This pacer's clock (a start script's send time is read on it)."""
@@ -473,7 +479,7 @@ class Pacer:
         now = self._clock()
         with self._lock:
             lease = self._leases.pop(account_id, None)
-            if lease is not None:
+            if lease is not None and lease.recent:
                 self._leases[account_id] = lease.void()  # its uses still count
             self._closed[account_id] = (now + seconds, now + seconds)
         ms = max(1, int(seconds * 1000))

@@ -68,7 +68,7 @@ def _holder(
 ) -> list[float]:
     """The moments a lock holder's requests leave: it asks again as soon as it may, each
     wake-up late by a little now and then; with ``events``, other accounts' leases sweep
-    this process's (as a process with 1,024 of them does at every lease), a wait for a
+    this process's (as a process with 1,024 of them or more does now and then), a wait for a
     slot gives up when the slot is further ahead than it would wait (``ahead``), and the
     rate changes for a while."""
     rng = random.Random(seed)
@@ -137,3 +137,17 @@ def test_a_short_cooldown_keeps_the_last_second(seed: int) -> None:
             uses.append(clock.now)
         clock.now += wait + rng.choice([0.0, 0.0002, 0.004])
     assert _most_in_a_second(uses) <= int(rate)
+
+
+def test_a_start_answer_it_cannot_read_keeps_the_last_uses() -> None:
+    """The lock's take hands its pacing answer to ``Pacer.started``; one it cannot read
+    (raised, and logged by the caller) must not drop the uses that still count."""
+    clock = FakeClock()
+    pacer, _ = _pacer(clock, 0.5)
+    for _ in range(3):
+        assert pacer.try_acquire(ACCOUNT, 10.0, held=True) == 0.0
+        clock.now += 0.1
+    with pytest.raises((IndexError, ValueError)):
+        pacer.started(ACCOUNT, 10.0, [1], clock.now)
+    kept = pacer._leases[ACCOUNT]
+    assert len(kept.recent) == 3 and kept.left == 0  # its uses, no slot
