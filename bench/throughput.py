@@ -606,6 +606,9 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["all_peaks"] = [r["in_flight_peak"] for r in runs]
     out["all_lapses"] = [(r["lapses"], r["locks_lost"], r["late_beats"], r["gap_le"]) for r in runs]
     out["double"] = sum(r["double"] for r in runs)
+    # every run's 429s, not the median run's alone: one run's 429s must not hide
+    causes = dict.fromkeys(k for r in runs for k in r["http_429"])
+    out["http_429"] = {k: sum(r["http_429"].get(k, 0) for r in runs) for k in causes}
     # items not paid, or payments the gateway counted beyond one per item, in any run
     out["unpaid"] = sum(r["unpaid"] for r in runs)
     out["miscounted"] = sum(abs(r["payments_sent"] - r["items"]) for r in runs)
@@ -752,7 +755,7 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
             + "."
         )
     lines.append(
-        "429 answers by cause: "
+        f"429 answers by cause, all {runs} runs together: "
         + "; ".join(f"{r['num']}: {r['http_429']}" for r in rows)
         + ". Task executions per batch (wasted = contended + idle): "
         + "; ".join(
