@@ -45,10 +45,10 @@ them locally without another round trip:
   one account together still keep the quota.
 * **Never more than floor(rate) in any second** (the protocol's "at most `rate` requests per
   second" read to the letter): a process keeps its last floor(rate) uses of an account
-  (``_Lease.recent``, carried from lease to lease), and a use waits until the oldest is
-  1.02 s back (``_WINDOW``), whatever else allows it; a lease is swept only once its uses
+  (``Lease.recent``, carried from lease to lease), and a use waits until the oldest is
+  1.02 s back (``WINDOW``), whatever else allows it; a lease is swept only once its uses
   no longer count, and one dropped sooner (refused, closed by a 429, Redis out of reach)
-  leaves its uses behind (``_Lease.void``); so a delay is made up only as far as the last
+  leaves its uses behind (``Lease.void``); so a delay is made up only as far as the last
   second leaves room. A holder done with the account gives back the slot
   from which a next holder, sending one request per interval, keeps the two holders'
   requests together at floor(rate) in any second (:func:`next_free`). Callers without the
@@ -71,12 +71,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from payment_worker import lua
+from payment_worker.gateway.pacing_lease import Lease, next_free, per_second, spent, spent_by
 from payment_worker.ops.metrics import GATEWAY_PACING_WAIT_SECONDS
 from payment_worker.redis_keys import RedisKeys
 
@@ -88,20 +89,6 @@ _COOLDOWN = lua.load("pace_cooldown")
 # longer matter (one per account in flight); later sweeps come at twice what the last kept
 _SWEEP_AT = 1024
 
-# the protocol's "at most `rate` requests per second", read to the letter: no span of one
-# second holds more than floor(rate) of a holder's requests. A second is counted 2 % long:
-# a gateway counts a request when it has arrived and been read, a few milliseconds after it
-# left here, more or less from one request to the next. Measured against the simulator's
-# sliding-second limit (--rate-limit window) in scenario 3 on a loaded 2-core host: 36 to
-# 45 429s a run with 1.001 s, 4 with 1.005 s, none with 1.02 s (docs/benchmarks.md)
-_WINDOW = 1.02
-
-
-def per_second(interval: float) -> int:
-    """The most requests one second may hold at one request per ``interval`` s: floor(rate),
-    at least 1."""
-    return max(1, int(1.0 / interval + 1e-6))
-
 
 @dataclass(frozen=True, slots=True)
 class PaceResult:
@@ -110,56 +97,6 @@ class PaceResult:
     acquired: bool
     waited: float
     retry_after: float = 0.0  # when not acquired: how long the account is still closed
-
-
-@dataclass(slots=True)
-class _Lease:
-    """Slots of one account leased by this process, on the local clock."""
-
-    interval: float  # seconds between two slots (1 / rate)
-    next_at: float  # the earliest moment the next slot may be used
-    end: float  # no slot is used at or after this moment (the lease's window)
-    left: int  # slots not yet used
-    used: int = 0
-    tat: bytes | None = None  # the account's first free slot after this lease, as stored
-    kept: bool = False  # a lock holder went on past the lease, on its own spacing
-    last_use: float = float("-inf")  # when the last slot was used (the request let go)
-    # this process's last uses of the account, one second's worth (per_second), oldest
-    # first: a use waits until the oldest is a _WINDOW back. Carried from lease to lease
-    recent: deque[float] = field(default_factory=deque)
-
-    def __post_init__(self) -> None:
-        if self.recent.maxlen is None:
-            self.recent = deque(self.recent, maxlen=per_second(self.interval))
-
-    def due(self, at: float) -> float:
-        """``at``, or later when a use then would put more than one second's worth of uses
-        in one second."""
-        recent = self.recent
-        if len(recent) == recent.maxlen:
-            return max(at, recent[0] + _WINDOW)
-        return at
-
-    def use(self, now: float) -> None:
-        """A slot used now (the request let go)."""
-        self.used += 1
-        self.last_use = now
-        self.recent.append(now)
-
-    def void(self) -> _Lease:
-        """What is kept of this lease once it is dropped (a 429's cooldown, a lease refused
-        for lying too far ahead, Redis out of reach): its uses, which still space the next
-        request, and its ``tat`` for the give-back; no slot and no window, so the next lease
-        is asked for as by a process that comes fresh."""
-        return _Lease(
-            self.interval,
-            self.next_at,
-            float("-inf"),
-            0,
-            tat=self.tat,
-            last_use=self.last_use,
-            recent=self.recent,
-        )
 
 
 class Pacer:
@@ -183,7 +120,7 @@ class Pacer:
         self._clock = clock
         self._acquire = redis_client.register_script(_ACQUIRE)
         self._cooldown = redis_client.register_script(_COOLDOWN)
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
         # accounts whose lease script is in flight: the process's other threads wait for its
         # block instead of leasing a second one (which would void the first)
@@ -257,7 +194,7 @@ class Pacer:
         rate: float,
         interval: float,
         ahead: float | None,
-        last: _Lease | None,
+        last: Lease | None,
         now: float,
     ) -> tuple[float, float]:
         """One script call: lease a block of the account's slots and take the first if due."""
@@ -277,14 +214,14 @@ class Pacer:
             raise
         return self._install(account_id, interval, last, answer, sent)
 
-    def _keep_uses(self, account_id: str, last: _Lease | None) -> None:
-        """No lease came in place of ``last``: its uses are kept (:meth:`_Lease.void`)."""
+    def _keep_uses(self, account_id: str, last: Lease | None) -> None:
+        """No lease came in place of ``last``: its uses are kept (:meth:`Lease.void`)."""
         if last is not None and last.recent:
             with self._lock:
                 self._leases.setdefault(account_id, last.void())
 
     def _reach(
-        self, rate: float, interval: float, last: _Lease | None, now: float
+        self, rate: float, interval: float, last: Lease | None, now: float
     ) -> tuple[int, float]:
         """The slots a lease asks for, and how far ahead (ms) its first may lie."""
         n = self.block(rate)
@@ -295,7 +232,7 @@ class Pacer:
         self,
         account_id: str,
         interval: float,
-        last: _Lease | None,
+        last: Lease | None,
         answer: Sequence[Any],
         sent: float,
         take: bool = True,
@@ -319,7 +256,7 @@ class Pacer:
         # never after the window as the server knows it (counted from the request)
         start = got + delay_s
         granted = int(granted)
-        lease = _Lease(interval, start, sent + delay_s + granted * interval, granted)
+        lease = Lease(interval, start, sent + delay_s + granted * interval, granted)
         if last is not None:
             # a slot of the last lease used late (a slow request) must not bunch up with the
             # first of this one: this process's own requests stay an interval apart, and
@@ -350,7 +287,7 @@ class Pacer:
             if closed is not None and closed[0] > now:
                 return None
             last = self._leases.get(account_id)
-            if last is not None and _spent_by(last) > now:
+            if last is not None and spent_by(last) > now:
                 return None
         n, reach_ms = self._reach(rate, 1.0 / rate, last, now)
         return rate, n, reach_ms
@@ -372,7 +309,7 @@ class Pacer:
         return self._clock()
 
     @staticmethod
-    def _take(lease: _Lease, interval: float, now: float) -> float | None:
+    def _take(lease: Lease, interval: float, now: float) -> float | None:
         """With the lock held: 0.0 (a slot taken), the wait for the next slot, or None when
         the lease is spent, void or of another rate."""
         if lease.left <= 0 or lease.interval != interval:
@@ -389,7 +326,7 @@ class Pacer:
         return 0.0
 
     @staticmethod
-    def _keep(lease: _Lease, interval: float, now: float) -> float | None:
+    def _keep(lease: Lease, interval: float, now: float) -> float | None:
         """With ``_lock`` held, for a caller that holds the account's lock and is past a lease
         it used: 0.0 (a slot taken, one interval after the previous slot, at least half an
         interval after the last use, and no more than floor(rate) uses in a second), the
@@ -411,7 +348,7 @@ class Pacer:
 
     def _sweep(self, now: float) -> None:
         # a lease whose last use is less than an interval back still spaces the next one
-        expired = [a for a, lease in self._leases.items() if _spent(lease, now)]
+        expired = [a for a, lease in self._leases.items() if spent(lease, now)]
         for account_id in expired:
             del self._leases[account_id]
         for account_id in [a for a, (ask, _) in self._closed.items() if ask <= now]:
@@ -488,41 +425,6 @@ class Pacer:
         with self._lock:
             self._closed[account_id] = (now + left, now + left)
         return left
-
-
-def _spent_by(lease: _Lease) -> float:
-    """When a lease stops mattering: its window over, its next slot due, and its uses no
-    longer spacing the next (:func:`next_free`: a next lease from Redis then keeps the
-    quota by itself)."""
-    return max(lease.end, lease.next_at, next_free(lease))
-
-
-def _spent(lease: _Lease, now: float) -> bool:
-    """``_spent_by(lease) <= now``, without reading the uses when the last is long past (a
-    sweep reads every lease the process keeps)."""
-    if max(lease.end, lease.next_at) > now:
-        return False
-    # (next_free is never later than this)
-    if lease.last_use + max(lease.interval, _WINDOW) <= now:
-        return True
-    return next_free(lease) <= now
-
-
-def next_free(lease: _Lease) -> float:
-    """The earliest moment another holder, starting afresh and sending one request per
-    interval from then, keeps the quota with this lease's uses before it: an interval after
-    the last use, and late enough that no second holds more than floor(rate) of the two
-    holders' requests together. The successor's j-th request leaves at least j intervals
-    after it starts, and the one ``per_second`` before it in the joint order is this
-    holder's, if any."""
-    free = lease.last_use + lease.interval
-    recent = lease.recent
-    assert recent.maxlen is not None
-    # the successor's j-th request follows recent[i] by per_second - (k - i) requests
-    back = recent.maxlen - len(recent)
-    for i, at in enumerate(recent):
-        free = max(free, at + _WINDOW - (back + i) * lease.interval)
-    return free
 
 
 def _as_bytes(value: bytes | str) -> bytes:

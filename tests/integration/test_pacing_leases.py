@@ -24,7 +24,8 @@ import pytest
 import redis
 
 from payment_worker import lua
-from payment_worker.gateway.pacing import _WINDOW, Pacer
+from payment_worker.gateway.pacing import Pacer
+from payment_worker.gateway.pacing_lease import WINDOW
 from tests.conftest import ROOT, PwEnv
 from tests.sim_fixtures import SimHandle
 
@@ -275,7 +276,7 @@ def test_the_give_back_holds_the_next_holder_until_the_last_second_leaves_room(
     assert nxt.acquire("acct-full", rate, max_wait=2.0, held=True).acquired
     # the oldest of the ten a second back (as the pacer counts it), not an interval after
     # the last
-    assert time.monotonic() - (now - 0.5) >= _WINDOW - 0.01
+    assert time.monotonic() - (now - 0.5) >= WINDOW - 0.01
 
 
 def test_a_give_back_after_the_timeline_expired_still_spaces_the_next_holder(

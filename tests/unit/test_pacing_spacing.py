@@ -13,7 +13,8 @@ import random
 import pytest
 import redis
 
-from payment_worker.gateway.pacing import _WINDOW, Pacer, _Lease, _spent, _spent_by, next_free
+from payment_worker.gateway.pacing import Pacer
+from payment_worker.gateway.pacing_lease import WINDOW, Lease, next_free, spent, spent_by
 from tests.fakes import FakeClock
 
 RATE = 100.0
@@ -24,10 +25,10 @@ def _uses(late: list[float], interval: float = INTERVAL) -> list[float]:
     """The moments a holder sends when it asks again as soon as its request is done (at
     once, here) and each wait for a slot ends late by the next of ``late`` (a sleep that
     overshoots, a core or the GIL taken by someone else)."""
-    return _drive(_Lease(interval, 0.0, 0.0, 0, used=1, last_use=-interval), late)
+    return _drive(Lease(interval, 0.0, 0.0, 0, used=1, last_use=-interval), late)
 
 
-def _drive(lease: _Lease, late: list[float], now: float = 0.0) -> list[float]:
+def _drive(lease: Lease, late: list[float], now: float = 0.0) -> list[float]:
     """``_uses`` on a given lease: its leased slots first (``Pacer._take``), then the
     holder's own spacing (``Pacer._keep``), from ``now``."""
     uses = []
@@ -55,7 +56,7 @@ def test_delays_shorter_than_half_an_interval_are_made_up() -> None:
     assert uses[1] - uses[0] == pytest.approx(INTERVAL + 0.003)  # the first delay is not
     rate = (len(uses) - 1) / (uses[-1] - uses[0])
     # (a second counted 2 % long: the quota's share of it)
-    assert rate == pytest.approx(RATE / _WINDOW, rel=0.01)
+    assert rate == pytest.approx(RATE / WINDOW, rel=0.01)
 
 
 def test_a_long_delay_is_made_up_by_half_an_interval_at_most() -> None:
@@ -109,7 +110,7 @@ def test_leased_slots_then_own_spacing_keep_floor_rate_in_any_second(
     alone put 3 in a second at 2.5/s)."""
     rng = random.Random(seed)
     interval = 1.0 / rate
-    lease = _Lease(interval, next_at=0.0, end=10 * interval, left=10)
+    lease = Lease(interval, next_at=0.0, end=10 * interval, left=10)
     delays = [rng.choice([0.0, rng.uniform(0, interval), 0.001]) for _ in range(300)]
     uses = _drive(lease, delays)
     assert lease.kept  # the lease was spent, then the holder went on on its own
@@ -121,13 +122,13 @@ def test_a_lease_matters_until_its_last_use_is_an_interval_back() -> None:
     next request: one swept at its next slot, half an interval after a late use, would let
     a fresh lease from Redis send then."""
     uses = _uses([0.0, 0.0, 0.050])  # the last use 50 ms late: its next slot half an interval on
-    lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
+    lease = Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
     for at in uses:
         assert Pacer._keep(lease, INTERVAL, at) == 0.0
     assert lease.next_at == pytest.approx(uses[-1] + INTERVAL / 2)
     # (and the time a second is counted longer: a next holder an interval on, at the
     # quota, would send its hundredth request a second after this one)
-    assert _spent_by(lease) == pytest.approx(uses[-1] + INTERVAL + (_WINDOW - 1))
+    assert spent_by(lease) == pytest.approx(uses[-1] + INTERVAL + (WINDOW - 1))
 
 
 @pytest.mark.parametrize("rate", [3.0, 10.0, 100.0])
@@ -141,29 +142,29 @@ def test_a_next_holder_from_next_free_keeps_the_quota_with_the_last_one(
     at floor(rate) in any second, however the last one's requests bunched."""
     rng = random.Random(seed)
     interval = 1.0 / rate
-    lease = _Lease(interval, 0.0, 0.0, 0, used=1, last_use=-interval)
+    lease = Lease(interval, 0.0, 0.0, 0, used=1, last_use=-interval)
     # a holder made late now and then, making its delays up: its last second is dense
     before = _drive(lease, [rng.choice([0.0, 0.0, 3 * interval]) for _ in range(int(rate) * 3)])
     start = max(next_free(lease), before[-1])
     assert start >= before[-1] + interval - 1e-9
-    nxt = _Lease(interval, start, start + 5.0, int(rate) * 5)
+    nxt = Lease(interval, start, start + 5.0, int(rate) * 5)
     after = _drive(nxt, [rng.choice([0.0, interval / 3]) for _ in range(int(rate) * 2)], start)
     assert _most_in_any_span(before + after, 1.0) <= int(rate)
 
 
 def test_a_sweep_reads_the_uses_only_while_they_still_space_the_next() -> None:
-    lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
+    lease = Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
     uses = _drive(lease, [0.0] * 150)  # a second and a half at the quota
     last = uses[-1]
     # not before the last second's first use is a second back, nor later than a second
     # after the last use
-    assert uses[-100] + _WINDOW <= _spent_by(lease) <= last + _WINDOW
-    assert not _spent(lease, _spent_by(lease) - 1e-6)
-    assert _spent(lease, _spent_by(lease) + 1e-6)
-    assert _spent(lease, last + _WINDOW + 0.001)
+    assert uses[-100] + WINDOW <= spent_by(lease) <= last + WINDOW
+    assert not spent(lease, spent_by(lease) - 1e-6)
+    assert spent(lease, spent_by(lease) + 1e-6)
+    assert spent(lease, last + WINDOW + 0.001)
 
 
-def _held_pacer(clock: FakeClock, lease: _Lease) -> Pacer:
+def _held_pacer(clock: FakeClock, lease: Lease) -> Pacer:
     """A pacer holding ``lease`` of account "a" (no Redis command is sent here)."""
     pacer = Pacer(redis.Redis(), lease_seconds=0.5, clock=clock)
     lease.tat = b"123.000"
@@ -177,7 +178,7 @@ def test_the_give_back_leaves_room_for_the_last_seconds_requests() -> None:
     quota would put rate + 1 in the second after the late one. The give-back names the slot
     from which it cannot."""
     clock = FakeClock()
-    lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
+    lease = Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
     uses = _drive(lease, [0.0] * 10 + [0.0049] + [0.0] * 89)  # late once, then made up
     assert uses[-1] - uses[0] < 1.0 and len(uses) == RATE
     clock.now = uses[-1]
@@ -195,15 +196,15 @@ def test_the_give_back_leaves_room_for_the_last_seconds_requests() -> None:
 
 def test_the_give_back_is_an_interval_when_the_last_second_leaves_room() -> None:
     clock = FakeClock()
-    lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
+    lease = Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
     uses = _drive(lease, [0.0, 0.0, 0.0])  # three requests: the second has room
     # (the last one's own second: a next holder an interval and the margin after it)
-    clock.now = uses[-1] + (_WINDOW - 1) + INTERVAL / 2
+    clock.now = uses[-1] + (WINDOW - 1) + INTERVAL / 2
     given = _held_pacer(clock, lease).returned("a")
     assert given is not None and given[1] == pytest.approx(INTERVAL * 1000)
     # an interval after the last one (and the time a second is counted longer): nothing
     # to give, the stored timeline is past it
-    lease = _Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
+    lease = Lease(INTERVAL, next_at=0.0, end=0.0, left=0, used=1, last_use=-INTERVAL)
     uses = _drive(lease, [0.0, 0.0, 0.0])
-    clock.now = uses[-1] + INTERVAL + (_WINDOW - 1) + 0.0001
+    clock.now = uses[-1] + INTERVAL + (WINDOW - 1) + 0.0001
     assert _held_pacer(clock, lease).returned("a") is None
