@@ -263,9 +263,9 @@ class Pacer:
             # its last second of uses still counts (a new rate's floor of them)
             lease.next_at = max(start, last.next_at)
             lease.last_use = last.last_use
-            lease.recent = last.recent
-            if last.recent.maxlen != per_second(interval):
-                lease.recent = deque(last.recent, maxlen=per_second(interval))
+            most = per_second(interval)
+            same = last.recent.maxlen == most
+            lease.recent = last.recent if same else deque(last.recent, maxlen=most)
         lease.tat = _as_bytes(answer[2]) if len(answer) > 2 else None
         with self._lock:
             if len(self._leases) + len(self._closed) >= self._sweep_at:
@@ -347,7 +347,8 @@ class Pacer:
         return 0.0
 
     def _sweep(self, now: float) -> None:
-        # a lease whose last use is less than an interval back still spaces the next one
+        # a lease whose uses still space the next request (spent: an interval after the last
+        # use, and its last second's uses a second back) is kept
         expired = [a for a, lease in self._leases.items() if spent(lease, now)]
         for account_id in expired:
             del self._leases[account_id]

@@ -68,21 +68,17 @@ def _holder(
 ) -> list[float]:
     """The moments a lock holder's requests leave: it asks again as soon as it may, each
     wake-up late by a little now and then; with ``events``, other accounts' leases sweep
-    this process's (as a process with 1,024 of them or more does now and then), a wait for a
-    slot gives up when the slot is further ahead than it would wait (``ahead``), and the
-    rate changes for a while."""
+    this process's (as a process with 1,024 of them or more does now and then), and a wait
+    for a slot gives up when the slot is further ahead than it would wait (``ahead``)."""
     rng = random.Random(seed)
     clock = FakeClock()
     pacer, _ = _pacer(clock, lease_seconds)
     uses: list[float] = []
-    current = rate
     while len(uses) < requests:
         if events and rng.random() < 0.2:
             pacer._sweep(clock.now)
         ahead = rng.choice([None, None, 0.0, 0.05]) if events else None
-        if events and rng.random() < 0.01:
-            current = rate * 2 if current == rate else rate  # a GATEWAY_RATE_OVERRIDES change
-        wait = pacer.try_acquire(ACCOUNT, current, ahead, held=True)
+        wait = pacer.try_acquire(ACCOUNT, rate, ahead, held=True)
         if wait == 0:
             uses.append(clock.now)
             wait = rng.choice([0.0, 0.0, 0.0005, 0.003])  # the request, at zero latency
@@ -98,11 +94,34 @@ def test_a_holder_keeps_floor_rate_in_any_second_whatever_befalls_its_lease(
     """Below 4/s a lease is one slot (0.5 s leases), so every request goes through a lease
     that may be swept or refused; a sweep once dropped a lease whose uses still counted (a
     review found it), and a refused lease dropped them too."""
-    # (the rate doubles now and then: its floor is the bound over the whole run)
     uses = _holder(seed, rate, 0.5, events=True, requests=120 if rate < 5 else 400)
-    assert _most_in_a_second(uses) <= max(1, int(2 * rate + 1e-9))
+    assert _most_in_a_second(uses) <= max(1, int(rate + 1e-9))
     steady = _holder(seed, rate, 0.5, events=False, requests=120 if rate < 5 else 400)
     assert _most_in_a_second(steady) <= max(1, int(rate + 1e-9))
+
+
+@pytest.mark.parametrize(("high", "low"), [(100.0, 50.0), (20.0, 3.0), (6.0, 2.5)])
+def test_a_rate_lowered_mid_drain_counts_the_requests_sent_at_the_higher_one(
+    high: float, low: float
+) -> None:
+    """``GATEWAY_RATE_OVERRIDES`` lowered while a holder sends: every request at the new
+    rate leaves with no more than floor(low) in the second it ends, those sent at the old
+    rate included (the newest of them are kept, as many as the new rate counts)."""
+    clock = FakeClock()
+    pacer, _ = _pacer(clock, 0.5)
+    sent: list[tuple[float, float]] = []  # (when, at which rate)
+    for rate in (high, low):
+        for _ in range(int(high) * 2):
+            while (wait := pacer.try_acquire(ACCOUNT, rate, held=True)) > 0:
+                clock.now += wait
+            sent.append((clock.now, rate))
+            clock.now += 0.0005
+    times = [t for t, _ in sent]
+    for t, rate in sent:
+        if rate == low:
+            # the requests in the second that ends with this one
+            inside = bisect.bisect_right(times, t) - bisect.bisect_right(times, t - 1.0)
+            assert inside <= int(low), (t, inside)
 
 
 @pytest.mark.parametrize("rate", [0.5, 2.5, 3.0, 33.3, 100.0])

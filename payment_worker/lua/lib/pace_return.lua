@@ -3,8 +3,8 @@
 -- is still the one the lease left, as pace_acquire returned it): the first free slot becomes
 -- `free_ms` from now, so the next holder, in any process, starts then instead of after the
 -- lease's window. The holder reckons `free_ms` from its own last requests (at least one
--- interval, and more when its last second of requests leaves no room yet: pacing.py's
--- next_free), so the two holders' requests together keep the quota.
+-- interval, and more when its last second of requests leaves no room yet:
+-- gateway/pacing_lease.py's next_free), so the two holders' requests together keep the quota.
 --
 -- A key gone (it expires a second after its last leased slot, while a lock holder went on
 -- past its lease on its own spacing) means nobody leased since either: the slot is set all
