@@ -9,6 +9,15 @@ from pydantic import ValidationError
 from payment_worker.settings import Settings, describe_error
 
 
+def _refused(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
+    """The one line describing why Settings() refuses ``env`` (set on top of the test's)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    return describe_error(info.value)
+
+
 def test_defaults_are_sane(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "PAYMENT_WORKER_HOME"):
         monkeypatch.delenv(var, raising=False)
@@ -34,10 +43,7 @@ def test_defaults_are_sane(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_value_names_the_variable(
     monkeypatch: pytest.MonkeyPatch, var: str, value: str
 ) -> None:
-    monkeypatch.setenv(var, value)
-    with pytest.raises(ValidationError) as info:
-        Settings()
-    line = describe_error(info.value)
+    line = _refused(monkeypatch, {var: value})
     assert var in line
     assert "\n" not in line
 
@@ -92,10 +98,7 @@ def test_the_stall_bound_stays_above_a_holder_waiting_on_the_gateway() -> None:
 )
 def test_a_real_gateway_needs_its_secret(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
     monkeypatch.delenv("GATEWAY_CLIENT_SECRET", raising=False)
-    monkeypatch.setenv("GATEWAY_URL", url)
-    with pytest.raises(ValidationError) as info:
-        Settings()
-    line = describe_error(info.value)
+    line = _refused(monkeypatch, {"GATEWAY_URL": url})
     assert line.startswith("invalid setting GATEWAY_CLIENT_SECRET: required") and "\n" not in line
     monkeypatch.setenv("GATEWAY_CLIENT_SECRET", "s3cret-value")
     secret = Settings().gateway_client_secret
@@ -131,10 +134,7 @@ def test_log_json_auto(monkeypatch: pytest.MonkeyPatch, value: str, parsed: bool
 def test_a_bad_url_is_shown_without_its_password(
     monkeypatch: pytest.MonkeyPatch, var: str, value: str
 ) -> None:
-    monkeypatch.setenv(var, value)
-    with pytest.raises(ValidationError) as info:
-        Settings()
-    line = describe_error(info.value)
+    line = _refused(monkeypatch, {var: value})
     assert var in line and ":***@" in line and "Hunter2-pw" not in line
 
 
@@ -172,11 +172,7 @@ def test_the_database_retry_bound_stays_well_below_the_stall_bound() -> None:
 def test_settings_that_cannot_work_are_refused_in_one_line(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], var: str
 ) -> None:
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with pytest.raises(ValidationError) as info:
-        Settings()
-    line = describe_error(info.value)
+    line = _refused(monkeypatch, env)
     assert var in line and "\n" not in line
 
 
@@ -215,10 +211,7 @@ def test_the_edges_of_those_rules_are_accepted(monkeypatch: pytest.MonkeyPatch) 
 def test_bad_rate_overrides_are_one_line(
     monkeypatch: pytest.MonkeyPatch, value: str, message: str
 ) -> None:
-    monkeypatch.setenv("GATEWAY_RATE_OVERRIDES", value)
-    with pytest.raises(ValidationError) as info:
-        Settings()
-    line = describe_error(info.value)
+    line = _refused(monkeypatch, {"GATEWAY_RATE_OVERRIDES": value})
     assert line.startswith("invalid setting " + message), line
     assert "\n" not in line
 
@@ -237,24 +230,17 @@ def test_no_float_setting_takes_inf_or_nan(
     monkeypatch: pytest.MonkeyPatch, var: str, value: str
 ) -> None:
     # SWEEPER_INTERVAL=inf ended the repair thread at its first wait (OverflowError)
-    monkeypatch.setenv(var, value)
-    with pytest.raises(ValidationError) as info:
-        Settings()
-    assert describe_error(info.value).startswith(f"invalid setting {var}: ")
+    assert _refused(monkeypatch, {var: value}).startswith(f"invalid setting {var}: ")
 
 
 @pytest.mark.parametrize("scheme", ["unix", "UNIX"])
 def test_the_broker_takes_no_unix_socket_url(monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
     """kombu has no unix:// transport: a worker died at start with a KeyError's traceback."""
-    monkeypatch.setenv("REDIS_URL", f"{scheme}:///tmp/redis.sock?db=0")
-    with pytest.raises(ValidationError) as info:
-        Settings()
-    line = describe_error(info.value)
+    line = _refused(monkeypatch, {"REDIS_URL": f"{scheme}:///tmp/redis.sock?db=0"})
     assert line.startswith("invalid settings: CELERY_BROKER_URL must be set"), line
-    monkeypatch.setenv("CELERY_BROKER_URL", "unix:///tmp/redis.sock?db=1")
-    with pytest.raises(ValidationError) as info:
-        Settings()
-    assert describe_error(info.value).startswith("invalid setting CELERY_BROKER_URL: ")
+    assert _refused(monkeypatch, {"CELERY_BROKER_URL": "unix:///tmp/redis.sock?db=1"}).startswith(
+        "invalid setting CELERY_BROKER_URL: "
+    )
     monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/1")
     assert Settings().redis_url == f"{scheme}:///tmp/redis.sock?db=0"  # the app's may be one
 
