@@ -57,7 +57,8 @@ _IDENT_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # the zero-width non-joiner and joiner: invisible, yet part of how names are spelled in
 # Persian, the Indic scripts and others ("محمد‌رضا"), so a name or description may hold them.
 # Every other format character stays refused (a bidi override reorders what on-call reads)
-_JOINERS = str.maketrans("", "", "\u200c\u200d")
+_JOINERS = "\u200c\u200d"
+_NO_JOINERS = str.maketrans("", "", _JOINERS)
 
 
 def _printable(value: str) -> str:
@@ -70,9 +71,9 @@ def _text(value: str) -> str:
     """Free text (a name, a description): printable; a joiner only right after a letter or
     a mark, where a script puts it (a Malayalam chillu ends a word with one), never alone
     or after a space or another joiner."""
-    _printable(value.translate(_JOINERS))
+    _printable(value.translate(_NO_JOINERS))
     for i, ch in enumerate(value):
-        if ch in "\u200c\u200d" and not (i > 0 and _in_word(value[i - 1])):
+        if ch in _JOINERS and not (i > 0 and _in_word(value[i - 1])):
             raise ValueError("may hold a zero-width joiner only right after a letter or mark")
     return value
 

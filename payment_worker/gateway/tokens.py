@@ -401,13 +401,12 @@ class TokenManager:
             if not stored:
                 # nothing stored (a failed request, an expired lock, an error): the lock
                 # goes now, not at its TTL, so another process may try at once
-                if rejected is None:
-                    self._release(keys=[self.lock_key(account_id)], args=[owner])
-                else:
-                    self._release(
-                        keys=[self.lock_key(account_id), self.token_key(account_id)],
-                        args=[owner, rejected],
-                    )
+                keys, args = [self.lock_key(account_id)], [owner]
+                if rejected is not None:
+                    # the refused token leaves the hash too, if it still holds that one
+                    keys.append(self.token_key(account_id))
+                    args.append(rejected)
+                self._release(keys=keys, args=args)
 
     def _claim_token(
         self, account_id: str, owner: str, rejected: str | None
