@@ -793,6 +793,8 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
 
 
 def main() -> int:
+    from payment_worker.dev.simulator_state import RATE_LIMITS, SimConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scenario", type=int, nargs="+", default=[1, 3, 4, 5], choices=SCENARIOS)
     p.add_argument("--runs", type=int, default=1, help="runs per scenario; the median is shown")
@@ -802,8 +804,8 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=100.0, help="per-account quota, both sides")
     p.add_argument(
         "--rate-limit",
-        choices=("bucket", "window"),
-        default="bucket",
+        choices=RATE_LIMITS,
+        default=SimConfig().rate_limit,
         help="how the simulator counts its quota: token bucket, or any sliding second",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario run")
