@@ -126,11 +126,16 @@ def record_crash_task(
                 task_id=task_id,
             )
     except Exception as exc:
-        countdown = get_exponential_backoff_interval(
-            factor=1,
-            retries=self.request.retries,
-            maximum=DEAD_LETTER_RETRY_MAX_SECONDS,
-            full_jitter=True,
+        # at least 1 s: Celery's full jitter draws 0 too (half of first retries), and a
+        # countdown of 0 is no countdown at all, an immediate retry against a refusing Postgres
+        countdown = max(
+            1,
+            get_exponential_backoff_interval(
+                factor=1,
+                retries=self.request.retries,
+                maximum=DEAD_LETTER_RETRY_MAX_SECONDS,
+                full_jitter=True,
+            ),
         )
         try:
             raise self.retry(exc=exc, countdown=countdown) from exc
@@ -140,7 +145,7 @@ def record_crash_task(
             log.warning("task_crash_retry_not_published", task=task_name, error=repr(exc))
             # requeued, it comes back at once with the same retry count: without a pause it
             # would loop as fast as Postgres refuses while the publish keeps failing
-            time.sleep(min(max(countdown, 1.0), _REQUEUE_PAUSE_MAX))
+            time.sleep(min(countdown, _REQUEUE_PAUSE_MAX))
             raise Reject(rejected.reason, requeue=True) from exc
     DEAD_LETTERS.labels("task_crashed").inc()
     return dl_id
