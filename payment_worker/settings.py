@@ -158,7 +158,9 @@ class Settings(BaseSettings):
     gateway_pacing_lease_seconds: float = Field(0.5, ge=0, le=1.0)
 
     # --- account lock and fencing ---------------------------------------------------------
-    lock_ttl_ms: int = Field(30_000, gt=0)
+    # floors: below them a renewal, a heartbeat or a pass runs so often that it is a busy
+    # loop against Redis or Postgres, not a setting (the tests' shortest: 600 ms, 0.5 s)
+    lock_ttl_ms: int = Field(30_000, ge=500)
     lock_safety_margin_ms: int = Field(1_000, ge=0)
     lock_wait_timeout: float = Field(0.0, ge=0)
     # the watchdog stops renewing a lock whose holder reported no progress for this long (a
@@ -230,7 +232,7 @@ class Settings(BaseSettings):
     # issue 15: the sweeper's horizon comes from liveness (docs/processing.md, Sweeper): it
     # ticks every second, looks at accounts whose due items saw no write for
     # SWEEPER_STALE_AFTER, and re-enqueues the ones with no live lock holder
-    sweeper_interval: float = Field(1.0, gt=0)
+    sweeper_interval: float = Field(1.0, ge=0.1)
     sweeper_stale_after: float = Field(2.0, gt=0)
     # a repair message whose task has not started after this long is sent again
     sweeper_resend_after: float = Field(30.0, gt=0)
@@ -239,7 +241,7 @@ class Settings(BaseSettings):
     # every worker process renews its liveness key every LIVENESS_INTERVAL_MS with a TTL of
     # LIVENESS_TTL_MS; a lock whose holder's key is gone is taken over at once
     liveness_ttl_ms: int = Field(3_000, gt=0)
-    liveness_interval_ms: int = Field(500, gt=0)
+    liveness_interval_ms: int = Field(500, ge=50)
 
     # --- producer -------------------------------------------------------------------------
     dedup_window_seconds: int = Field(60, gt=0)

@@ -35,6 +35,10 @@ def test_defaults_are_sane(monkeypatch: pytest.MonkeyPatch) -> None:
         ("DATABASE_URL", "not a url"),
         ("REDIS_URL", "http://127.0.0.1:6379"),
         ("LOCK_TTL_MS", "-5"),
+        # below the floors: a renewal, heartbeat or sweeper pass as a busy loop
+        ("LOCK_TTL_MS", "30"),
+        ("LIVENESS_INTERVAL_MS", "1"),
+        ("SWEEPER_INTERVAL", "0.001"),
         ("GATEWAY_URL", "ftp://x"),
         ("METRICS_PORT", "70000"),
         ("MAX_AMOUNT", str(2**63)),  # past the amount column's bigint
