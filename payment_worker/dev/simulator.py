@@ -181,6 +181,7 @@ async def _account_call(request: web.Request, endpoint: str, inner: Inner) -> we
     entry: list[Any] = [round(st.now(), 6), endpoint, 0]
     acct = st.begin(account_id)
     acct.log.append(entry)
+    ans: Answer | None = None
     try:
         # an account in an outage answers before anything else (its backend is down), so it
         # neither checks tokens nor spends the account's rate or in-flight allowance
@@ -191,6 +192,9 @@ async def _account_call(request: web.Request, endpoint: str, inner: Inner) -> we
             st.ledger.http_401 += 1  # (the token endpoint's invalid_client is counted apart)
         return await _answer(request, st, entry, ans)
     finally:
+        if ans is not None and ans.slot is not None:
+            ans.slot.in_flight -= 1
+            ans.slot.late_in_flight -= 1
         st.end(account_id, acct)
 
 
@@ -203,9 +207,14 @@ async def _guarded(
     acct = st.account(account_id)
     acct.in_flight += 1
     acct.max_in_flight_seen = max(acct.max_in_flight_seen, acct.in_flight)
+    ans: Answer | None = None
     try:
         if acct.in_flight > st.config.max_in_flight:
-            st.ledger.http_429["concurrency"] += 1
+            # "concurrency_late": admitted but for a late answer still to come, which its
+            # client may have stopped waiting for (a read timeout); "concurrency": the client
+            # itself sent more at once than the account allows
+            late = acct.in_flight - acct.late_in_flight <= st.config.max_in_flight
+            st.ledger.http_429["concurrency_late" if late else "concurrency"] += 1
             return _rate_limited("1")
         wait = st.rate_wait(account_id)
         if wait > 0:
@@ -215,9 +224,16 @@ async def _guarded(
         if scripted is not None and scripted["fault"] == "429":
             st.ledger.http_429["scripted"] += 1
             return _rate_limited(retry_after_header(float(scripted.get("retry_after", 1))))
-        return await inner(request, st, account_id, scripted)
+        ans = await inner(request, st, account_id, scripted)
+        return ans
     finally:
-        acct.in_flight -= 1
+        if ans is not None and ans.after == "slow":
+            # applied, answered late: the request is in flight until its answer is written
+            # (_account_call gives the slot back then), as at a gateway that is slow to answer
+            acct.late_in_flight += 1
+            ans.slot = acct
+        else:
+            acct.in_flight -= 1
 
 
 async def _create(

@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from payment_worker.dev.simulator_state import SimState, Stored
+from payment_worker.dev.simulator_state import Account, SimState, Stored
 
 # faults a create can draw, and a lookup (which applies nothing, so only trouble answers)
 LOOKUP_FAULTS = ("503", "500", "502", "504")
@@ -33,6 +33,7 @@ class Answer:
 
     ``after`` marks the ones not written as they are: "slow" (answered late), and the
     :data:`RESET_AFTER` ones (connection reset). ``html`` replaces the JSON body.
+    ``slot``: the account whose in-flight slot a late answer holds until it is written.
     """
 
     status: int
@@ -40,6 +41,7 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
     after: str | None = None
     html: str | None = None
+    slot: Account | None = None
 
 
 def random_fault(st: SimState, kinds: tuple[str, ...]) -> str | None:

@@ -135,6 +135,9 @@ class Account:
     token: str | None = None
     token_expires: float = 0.0
     in_flight: int = 0
+    # of in_flight: payments applied whose answer is still to come ("slow"); their client may
+    # have given up waiting, but the gateway is not done with the request until it answers
+    late_in_flight: int = 0
     max_in_flight_seen: int = 0
     bucket: Bucket | None = None
     window: Window = field(default_factory=Window)
@@ -182,7 +185,8 @@ class Ledger:
             "http_401_invalid_client": self.http_401_invalid_client,
             "http_429": sum(self.http_429.values()),
             "http_429_by_cause": {
-                c: self.http_429[c] for c in ("concurrency", "rate", "token", "scripted")
+                c: self.http_429[c]
+                for c in ("concurrency", "concurrency_late", "rate", "token", "scripted")
             },
             "max_in_flight_seen": {a: s.max_in_flight_seen for a, s in accounts.items()},
             "requests": {**self.requests, "total": sum(self.requests.values())},

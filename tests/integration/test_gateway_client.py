@@ -198,7 +198,17 @@ def test_slow_response_is_unknown_and_a_lookup_finds_the_payment(
     assert time.monotonic() - start < 1.5  # the read timeout (0.5 s) ended the wait
     assert (r.outcome, r.http_status, r.error_class) == (Outcome.UNKNOWN, None, "timeout")
     gateway_sim.configure(p_slow=0.0)
-    looked = client.lookup_payment(ACCT, tx().idempotency_key)
+    # the gateway is still answering it: the account's one request in flight, so a lookup
+    # now is refused (429), not answered, and tells nothing
+    busy = client.lookup_payment(ACCT, tx().idempotency_key)
+    assert (busy.outcome, busy.http_status) == (Outcome.RETRY, 429)
+    assert gateway_sim.ledger()["http_429_by_cause"]["concurrency_late"] == 1
+    # refused until the late answer is written, 2 s after the create arrived; then found
+    looked = busy
+    while looked.http_status == 429 and time.monotonic() < start + 8:
+        time.sleep(0.1)
+        looked = client.lookup_payment(ACCT, tx().idempotency_key)
+    assert time.monotonic() - start >= 1.9
     assert looked.outcome is Outcome.SUCCEEDED and looked.payment_id
     assert gateway_sim.ledger()["sends"] == {f"{ACCT}/tx-1": 1}
 

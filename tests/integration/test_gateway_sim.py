@@ -306,10 +306,21 @@ def test_create_timeout_payment_was_sent(gateway_sim: SimHandle) -> None:
     gateway_sim.configure(p_slow=1.0, slow_seconds=1.5)
     api = Api(gateway_sim, read_timeout=0.3)
     tok = api.token()
+    start = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         api.create(tok, "k-1", body())
     gateway_sim.configure(p_slow=0.0)
-    r = api.lookup(tok, "k-1")
+    # applied, and in flight until its answer is written: the account's one slot is taken
+    busy = api.lookup(tok, "k-1")
+    assert (busy.status_code, busy.headers["Retry-After"]) == (429, "1")
+    causes = gateway_sim.ledger()["http_429_by_cause"]
+    assert (causes["concurrency_late"], causes["concurrency"]) == (1, 0)
+    # refused until the late answer is written, 1.5 s after the create arrived; then found
+    r = busy
+    while r.status_code == 429 and time.monotonic() < start + 6:
+        time.sleep(0.1)
+        r = api.lookup(tok, "k-1")
+    assert time.monotonic() - start >= 1.4
     assert (r.status_code, r.json()["http_status"]) == (200, 201)
     assert gateway_sim.ledger()["sends"] == {"acct-1/tx-1": 1}
     api.http.close()

@@ -310,3 +310,23 @@ def test_a_failing_token_endpoint_uses_up_no_attempt(pw_env: PwEnv, tmp_path: Pa
         ledger = sim.ledger()
     assert {v for v in rows.values()} == {("succeeded", 1)}  # one attempt each: the real one
     assert _dead_reasons() == [] and ledger["payments_sent"] == 3
+
+
+def test_a_slow_answer_past_the_read_timeout_is_waited_for_not_resent(
+    pw_env: PwEnv, tmp_path: Path
+) -> None:
+    """The first create is applied and answered 4 s late; the worker stops waiting after its
+    read timeout (1 s). The gateway is still answering it, so the account's one request in
+    flight is taken: the lookups (and the next item's create) meet 429 until the answer is
+    written, and only then does a lookup find the payment. Patient, and paid once."""
+    with _world(pw_env, tmp_path, {"slow_seconds": 4}) as (sim, _):
+        sim.script(ACCT, {"fault": "slow", "endpoint": "create"})
+        _submit(_batch("late", n=2))
+        rows = _settle("late", timeout=40, never="dead")
+        ledger = sim.ledger()
+        lookups = sim.statuses(ACCT, "lookup")
+    assert {s for s, _ in rows.values()} == {"succeeded"}
+    assert ledger["payments_sent"] == 2 and ledger["double_payments"] == []
+    causes = ledger["http_429_by_cause"]
+    assert causes["concurrency_late"] >= 1 and causes["concurrency"] == 0, causes
+    assert 200 in lookups, lookups
