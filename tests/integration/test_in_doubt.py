@@ -24,7 +24,7 @@ from payment_worker.domain.idempotency import idempotency_key
 from payment_worker.domain.payment_request import PaymentRequest
 from payment_worker.producer.submit import submit_batch
 from payment_worker.settings import Settings
-from tests.conftest import PwEnv
+from tests.conftest import PwEnv, wait_until
 from tests.sim_fixtures import SimHandle, gateway_client, run_simulator
 
 ACCT = "acct-doubt"
@@ -170,8 +170,20 @@ def test_an_item_whose_sends_were_all_503_is_sent_after_the_retention(
     }
     with _world(pw_env, tmp_path, {"key_retention_seconds": 2, "p503": 1.0}, **env) as (sim, _):
         _submit(_batch("all-503"))
-        time.sleep(4.0)  # twice the retention, every send answered 503 (nothing applied)
-        assert [s for s, _ in _rows("all-503").values()] == ["retryable"]
+
+        def sends() -> list[Any]:
+            """The creates' answers so far (0: one still being answered)."""
+            return sim.statuses(ACCT, "create")
+
+        # twice the retention after its first send, on the simulator's clock (the worker's
+        # start-up is not counted), every send answered 503 (nothing applied)
+        wait_until(lambda: bool(sends()), 30, "the first send")
+        first = next(t for t, e, _ in sim.requests(ACCT) if e == "create")
+        time.sleep(max(0.0, first + 4.0 - sim.now()))
+        # between two sends, or in one (claimed, not yet recorded): never dead, never paid
+        assert {s for s, _ in _rows("all-503").values()} <= {"retryable", "dispatching"}
+        answered = [s for s in sends() if s != 0]
+        assert len(answered) >= 2 and set(answered) == {503}, answered
         sim.configure(p503=0.0)
         rows = _settle("all-503", timeout=20)
         ledger = sim.ledger()
@@ -303,7 +315,9 @@ def test_a_failing_token_endpoint_uses_up_no_attempt(pw_env: PwEnv, tmp_path: Pa
     with _world(pw_env, tmp_path, {}, RETRY_MAX_ATTEMPTS="2") as (sim, _):
         sim.configure(secret="rotated")  # every token request: 401 invalid_client
         _submit(_batch("no-token", n=3))
-        time.sleep(5.0)  # many more token failures than RETRY_MAX_ATTEMPTS
+        # more token failures than RETRY_MAX_ATTEMPTS (counted, not slept for: a worker slow
+        # to start would have passed the test without the point being made)
+        wait_until(lambda: sim.statuses(ACCT, "token").count(401) >= 3, 30, "three token failures")
         assert {s for s, _ in _rows("no-token").values()} <= {"retryable", "dispatching"}
         sim.configure(secret="sim-secret")
         rows = _settle("no-token", timeout=30)

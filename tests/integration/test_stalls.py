@@ -133,6 +133,9 @@ def _lost(reason: str) -> float:
     return REGISTRY.get_sample_value("payment_worker_lock_lost_total", {"reason": reason}) or 0.0
 
 
+# a 600 ms TTL with a 100 ms margin: a renewer thread kept off the CPU by other tests for
+# 300 ms would lose the lock while it progresses, so it runs alone
+@pytest.mark.exclusive
 def test_the_watchdog_keeps_a_lock_that_progresses_and_drops_a_silent_one(
     pw_env: PwEnv, redis_client: redis.Redis
 ) -> None:
