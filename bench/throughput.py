@@ -674,7 +674,7 @@ def verdicts(rows: list[dict[str, Any]], rate: float, pool_size: int | None) -> 
             else:
                 line(
                     3,
-                    rps >= 0.8 * s1,
+                    100 * rps / s1 >= 80,  # the printed share's formula, so they agree
                     f"{_fmt_int(rps)} items/s = {_pct(rps, s1)} % of (1), target ≥ 80 %"
                     f" (its quota's ceiling: {r['accounts']} accounts x {rate:g}/s ="
                     f" {_fmt_int(cap)} items/s, {100 * cap / s1:.0f} % of (1))",

@@ -135,8 +135,9 @@ class Account:
     token: str | None = None
     token_expires: float = 0.0
     in_flight: int = 0
-    # of in_flight: payments applied whose answer is still to come ("slow"); their client may
-    # have given up waiting, but the gateway is not done with the request until it answers
+    # of in_flight: requests decided whose answer is still to come ("slow": a payment applied,
+    # or a lookup answered); their client may have given up waiting, but the gateway is not
+    # done with the request until it answers
     late_in_flight: int = 0
     max_in_flight_seen: int = 0
     bucket: Bucket | None = None

@@ -339,8 +339,11 @@ def test_a_slow_answer_past_the_read_timeout_is_waited_for_not_resent(
         rows = _settle("late", timeout=40, never="dead")
         ledger = sim.ledger()
         lookups = sim.statuses(ACCT, "lookup")
+        creates = sim.statuses(ACCT, "create")
     assert {s for s, _ in rows.values()} == {"succeeded"}
     assert ledger["payments_sent"] == 2 and ledger["double_payments"] == []
+    # not resent: a create under the late one's key would be answered as a replay (200)
+    assert [s for s in creates if s in (200, 201)] == [201, 201], creates
     causes = ledger["http_429_by_cause"]
     assert causes["concurrency_late"] >= 1 and causes["concurrency"] == 0, causes
     assert 200 in lookups, lookups

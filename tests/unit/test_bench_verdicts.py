@@ -16,7 +16,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 @pytest.fixture(scope="module")
 def throughput() -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling modules by name
+    """The script as a module; sys.path and the sibling modules it imported by bare name
+    (bench's own ``locks``, ``gateway``, ...) are put back as they were for later tests."""
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+    sys.path.insert(0, str(BENCH))
     try:
         spec = importlib.util.spec_from_file_location("bench_throughput", BENCH / "throughput.py")
         assert spec is not None and spec.loader is not None
@@ -24,7 +27,10 @@ def throughput() -> ModuleType:
         spec.loader.exec_module(module)
         return module
     finally:
-        sys.path.remove(str(BENCH))
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(BENCH)):
+                del sys.modules[name]
 
 
 def _row(num: int, items_per_s: float, accounts: int, latency_ms: int = 0) -> dict[str, Any]:
@@ -58,3 +64,20 @@ def test_the_share_printed_agrees_with_the_verdict(
     lines = throughput.verdicts(rows, 100.0, 10)
     four = next(line for line in lines if line.startswith("- (4)"))
     assert shown in four and four.endswith(f": {word}"), four
+
+
+@pytest.mark.parametrize(
+    ("rate_1", "rate_3", "shown", "word"),
+    [
+        (3.0, 2.4, "= 80.0 % of (1)", "met"),  # 0.8 * 3.0 is 2.4000000000000004
+        (2161.4, 1728.6, "= 79.9 % of (1)", "NOT met"),
+        (2161.4, 1750.0, "= 81 % of (1)", "met"),
+    ],
+)
+def test_scenario_three_prints_the_share_its_verdict_judged(
+    throughput: ModuleType, rate_1: float, rate_3: float, shown: str, word: str
+) -> None:
+    rows = [_row(1, rate_1, 200), _row(3, rate_3, 20)]
+    throughput._bounds(rows)
+    three = next(line for line in throughput.verdicts(rows, 100.0, 10) if line.startswith("- (3)"))
+    assert shown in three and three.endswith(f": {word}"), three

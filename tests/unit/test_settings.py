@@ -35,10 +35,6 @@ def test_defaults_are_sane(monkeypatch: pytest.MonkeyPatch) -> None:
         ("DATABASE_URL", "not a url"),
         ("REDIS_URL", "http://127.0.0.1:6379"),
         ("LOCK_TTL_MS", "-5"),
-        # below the floors: a renewal, heartbeat or sweeper pass as a busy loop
-        ("LOCK_TTL_MS", "30"),
-        ("LIVENESS_INTERVAL_MS", "1"),
-        ("SWEEPER_INTERVAL", "0.001"),
         ("GATEWAY_URL", "ftp://x"),
         ("METRICS_PORT", "70000"),
         ("MAX_AMOUNT", str(2**63)),  # past the amount column's bigint
@@ -50,6 +46,26 @@ def test_bad_value_names_the_variable(
     line = _refused(monkeypatch, {var: value})
     assert var in line
     assert "\n" not in line
+
+
+@pytest.mark.parametrize(
+    ("var", "below", "floor"),
+    [
+        ("LOCK_TTL_MS", "499", "500"),
+        ("LIVENESS_INTERVAL_MS", "49", "50"),
+        ("SWEEPER_INTERVAL", "0.09", "0.1"),
+    ],
+)
+def test_a_period_below_its_floor_is_refused_and_the_floor_taken(
+    monkeypatch: pytest.MonkeyPatch, var: str, below: str, floor: str
+) -> None:
+    """Below the floors a renewal, heartbeat or sweeper pass is a busy loop. The margin is 0
+    so that no cross-field rule (which names LOCK_TTL_MS too) refuses it in the floor's stead."""
+    monkeypatch.setenv("LOCK_SAFETY_MARGIN_MS", "0")
+    line = _refused(monkeypatch, {var: below})
+    assert var in line and f"greater than or equal to {floor}" in line, line
+    monkeypatch.setenv(var, floor)
+    Settings()
 
 
 def _status_all(setting: str, value: str) -> subprocess.CompletedProcess[str]:
