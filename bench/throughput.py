@@ -748,7 +748,7 @@ def render(rows: list[dict[str, Any]], runs: int) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         bound = _fmt_int(r["bound"]) if r["bound"] else "-"
-        pct = f"{100 * r['items_per_s'] / r['bound']:.0f} %" if r["bound"] else "-"
+        pct = f"{_pct(r['items_per_s'], r['bound'])} %" if r["bound"] else "-"
         cpu = " / ".join(f"{r['cpu_us'][k]:,.0f}" for k in ("worker", "sim", "postgres", "redis"))
         lines.append(
             f"| {r['scenario']} | {r['shape']} | {_fmt_int(r['items_per_s'])} | {bound} | {pct} "
