@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,17 +45,15 @@ from payment_worker.ops.redaction import redact
 from payment_worker.runtime import Runtime
 from payment_worker.settings import Settings
 
-# the demo's workers: a short lock TTL (so a pause outlives it within seconds), a fast
-# sweeper and short backoffs, so every fault is repaired within the run. Set for the
-# processes the demo starts only.
+# the demo's workers: a short lock TTL (so a pause outlives it within seconds) and short
+# backoffs, so every fault is repaired within the run (the sweeper's defaults are fast
+# already). Set for the processes the demo starts only.
 LOCK_TTL_MS = 3000
 WORKER_ENV = {
     "LOCK_TTL_MS": str(LOCK_TTL_MS),
     "LOCK_SAFETY_MARGIN_MS": "500",
     "GATEWAY_READ_TIMEOUT": "1.0",
     "GATEWAY_RATE_PER_SECOND": str(workload.SIM_RATE),
-    "SWEEPER_INTERVAL": "1",
-    "SWEEPER_STALE_AFTER": "4",
     "RETRY_BASE_DELAY": "0.2",
     "RETRY_MAX_DELAY": "2",
     "RETRY_MAX_ATTEMPTS": "15",
@@ -254,8 +253,9 @@ def _run(
             what = " + ".join(_SERVER_NAMES[name] for name in ours)
             say(f"  servers  embedded {what} under {_rel(s.home)} ({how})")
         else:
-            say("  servers  yours, from DATABASE_URL / REDIS_URL: the demo adds demo-* batches")
-            say("           and publishes to the broker's payments queue; it flushes nothing")
+            say("  servers  yours, from DATABASE_URL / REDIS_URL: the demo adds batches of")
+            say("           demo-* accounts and publishes to the broker's payments queue; it")
+            say("           flushes nothing")
         migrate.upgrade(rt.urls.sqlalchemy)
         say("  schema   at head (alembic upgrade head)")
         return _with_cluster(s, rt, opts, run_id, run_dir, console)
@@ -474,12 +474,24 @@ def _follow(
             time.sleep(0.5)
 
 
+def _command(name: str) -> str:
+    """How to call one of this install's commands from the current directory: by name when
+    the shell finds this install's script, else by its path (``.venv/bin/...`` after ``make
+    demo``, whose shell has no activated venv)."""
+    script = Path(sys.executable).parent / name
+    found = shutil.which(name)
+    if not script.exists() or (found is not None and Path(found).resolve() == script.resolve()):
+        return name
+    return _rel(script)  # a path with a slash: the shell runs it as it is
+
+
 def _next_steps(s: Settings, ids: list[str], run_dir: Path) -> list[str]:
     urls = "" if not (s.database_url and s.redis_url) else "  (with the same URLs set)"
+    pw, celery = _command("payment-worker"), _command("celery")
     return [
-        f"payment-worker status {ids[0]}    # one batch, item by item{urls}",
-        "celery -A payment_worker dlq list    # dead letters, if any, and what to do with them",
-        f"payment-worker exporter    # then http://127.0.0.1:{s.exporter_port}/metrics",
+        f"{pw} status {ids[0]}    # one batch, item by item{urls}",
+        f"{celery} -A payment_worker dlq list    # dead letters, if any, and what to do with them",
+        f"{pw} exporter    # then http://127.0.0.1:{s.exporter_port}/metrics",
         f"less {_rel(run_dir)}/worker1.log    # what a worker logged",
         "docs/quickstart.md, docs/runbook.md, docs/architecture.md",
     ]

@@ -68,7 +68,9 @@ def synthetic_batches(run_id: str, *, accounts: int, items: int) -> list[dict[st
 
 
 def batches_from_file(path: Path, run_id: str) -> list[dict[str, Any]]:
-    """The file's batches (one object, an array, or JSON lines) with ids unique to this run."""
+    """The file's batches (one object, an array, or JSON lines) with ids unique to this run,
+    and their accounts under a ``demo-`` prefix: with the URLs of real servers set, the demo
+    must not take a real account's lock or overwrite its gateway token with the simulator's."""
     text = path.read_text()
     try:
         data = json.loads(text)
@@ -77,6 +79,7 @@ def batches_from_file(path: Path, run_id: str) -> list[dict[str, Any]]:
         batches = [json.loads(line) for line in text.splitlines() if line.strip()]
     for b in batches:
         b["batch_id"] = f"{b['batch_id']}-{run_id}"
+        b["account_id"] = f"demo-{b['account_id']}"
         for item in b["items"]:
             item["transaction_id"] = f"{item['transaction_id']}-{run_id}"
     return batches

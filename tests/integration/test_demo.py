@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from payment_worker.dev.demo import marked
@@ -80,6 +81,23 @@ def test_small_demo(pw_env: PwEnv, tmp_path: Path) -> None:
     assert data["tokens_issued_per_account"], data
     assert f"payment-worker status {data['batch_ids'][0]}" in out
     assert "celery -A payment_worker dlq list" in out
+
+
+def test_demo_with_a_file(pw_env: PwEnv, tmp_path: Path) -> None:
+    sample = ROOT / "payment_worker" / "dev" / "sample-batch.json"
+    rc, out, err, data = _demo(tmp_path, str(sample), "--workers", "1")
+    _assert_clean_run(rc, out, err, data, items=30)
+    assert all(b.endswith(f"-{data['run_id']}") for b in data["batch_ids"]), data["batch_ids"]
+    # the file's accounts under the demo's prefix only: never a real account's lock or token
+    with psycopg.connect(os.environ["DATABASE_URL"]) as conn:
+        accounts = {
+            str(r[0])
+            for r in conn.execute(
+                "SELECT DISTINCT account_id FROM batches WHERE batch_id LIKE %s",
+                (f"%-{data['run_id']}",),
+            )
+        }
+    assert accounts == {"demo-acct-42", "demo-acct-77"}, accounts
 
 
 def test_small_chaos_demo(pw_env: PwEnv, tmp_path: Path) -> None:
