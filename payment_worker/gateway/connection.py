@@ -135,6 +135,7 @@ def read_header_block(fp: Any) -> Headers:
     before it. A line that is no field, or a connection that ends inside the block, is a
     malformed answer: raised, so the request stays "maybe sent", never misread."""
     fields: list[tuple[str, str]] = []
+    lines = 0
     while True:
         line = fp.readline(MAX_HEADER_LINE + 1)
         if len(line) > MAX_HEADER_LINE:
@@ -143,6 +144,9 @@ def read_header_block(fp: Any) -> Headers:
             return Headers(fields)
         if not line:
             raise http.client.IncompleteRead(b"", None)  # ended inside the header block
+        lines += 1
+        if lines > MAX_HEADERS:  # every line counts, folded ones too (as http.client's)
+            raise http.client.HTTPException(f"got more than {MAX_HEADERS} headers")
         text = line.decode("iso-8859-1").rstrip("\r\n")
         if text[:1] in (" ", "\t") and fields:
             name, value = fields[-1]
@@ -152,25 +156,29 @@ def read_header_block(fp: Any) -> Headers:
         if not colon or not name or name != name.strip():
             raise http.client.HTTPException(f"malformed header line {text[:80]!r}")
         fields.append((name, value.strip(" \t")))
-        if len(fields) > MAX_HEADERS:
-            raise http.client.HTTPException(f"got more than {MAX_HEADERS} headers")
 
 
 class _Response(http.client.HTTPResponse):
     """``http.client``'s answer with its header block read by :func:`read_header_block`.
 
-    ``begin`` is the standard library's (CPython 3.11 to 3.13): 1xx answers skipped, the
-    version, chunked or not, the length, whether the connection closes; only the parse of the
-    header block differs. The body is read by ``http.client`` as before."""
+    ``begin`` is the standard library's (CPython 3.11 to 3.13): the version, chunked or not,
+    the length, whether the connection closes. It differs in the parse of the header block,
+    and in skipping every interim answer (1xx), not 100 alone, and refusing a 101. The body
+    is read by ``http.client`` as before."""
 
     def begin(self) -> None:
         if self.headers is not None:
             return  # already begun
         while True:
             version, status, reason = self._read_status()
-            if status != http.client.CONTINUE:
+            if status == http.client.SWITCHING_PROTOCOLS:  # never asked for: not HTTP after it
+                raise http.client.HTTPException("101 Switching Protocols, never asked for")
+            if not 100 <= status < 200:
                 break
-            read_header_block(self.fp)  # a 100 answer's headers: skipped
+            # an interim answer (100, 102 Processing, 103 Early Hints...): its headers skipped,
+            # the final answer follows. Taken as the answer, it left the real one on the
+            # connection for the next request to read as its own (a review found it)
+            read_header_block(self.fp)
         self.code = self.status = status
         self.reason = reason.strip()
         if version in ("HTTP/1.0", "HTTP/0.9"):
@@ -386,6 +394,9 @@ class GatewayConnection:
 
     def _fresh(self, sock: socket.socket) -> bool:
         if time.monotonic() - self._last_used >= KEEPALIVE_EXPIRY:
+            return False
+        # bytes TLS has decrypted already sit in the ssl object, where poll cannot see them
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
             return False
         # poll, not select: a worker's descriptors pass FD_SETSIZE (1,024) at high concurrency
         poller = select.poll()

@@ -135,6 +135,18 @@ def serve(
     return p
 
 
+def answering(answers: list[bytes]) -> Callable[[Peer, int, socket.socket], None]:
+    """A handler that answers each request on its connection with the next of ``answers``."""
+
+    def handler(p: Peer, _: int, sock: socket.socket) -> None:
+        for answer in answers:
+            if not p.read_request(sock):
+                return
+            sock.sendall(answer)
+
+    return handler
+
+
 def keep_answering(p: Peer, _: int, sock: socket.socket) -> None:
     """Answer OK to every request on the connection, keeping it open."""
     while p.read_request(sock):
@@ -258,6 +270,14 @@ def test_a_connection_idle_past_the_expiry_is_replaced(
             httpx.RemoteProtocolError,
             "reset",
         ),
+        # folded lines count too: endless folds were an unbounded header block
+        (
+            b"HTTP/1.1 201 Created\r\nX-A: 1\r\n" + b" more\r\n" * 101 + b"\r\n",
+            httpx.RemoteProtocolError,
+            "reset",
+        ),
+        # never asked for, and no HTTP after it
+        (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", httpx.RemoteProtocolError, "reset"),
     ],
     ids=[
         "closed",
@@ -270,6 +290,8 @@ def test_a_connection_idle_past_the_expiry_is_replaced(
         "space-before-colon",
         "too-many-headers",
         "header-too-long",
+        "too-many-folded-lines",
+        "switching-protocols",
     ],
 )
 def test_an_answer_cut_short_or_malformed_is_maybe_sent(
@@ -305,13 +327,7 @@ def test_the_header_block_is_read_as_http_client_would(peer: Callable[..., Peer]
         OK,
     ]
 
-    def handler(p: Peer, _: int, sock: socket.socket) -> None:
-        for answer in answers:
-            if not p.read_request(sock):
-                return
-            sock.sendall(answer)
-
-    p = serve(peer, handler)
+    p = serve(peer, answering(answers))
     conn = connect(p)
     first = post(conn)
     assert (first.status_code, first.content) == (201, b'{"id":1}')
@@ -329,6 +345,29 @@ def test_the_header_block_is_read_as_http_client_would(peer: Callable[..., Peer]
     assert headers.get_list("X-MULTI") == ["a", "b"]
     assert post(conn).status_code == 201
     assert p.accepted == 1  # the framing was right: one kept connection for both
+
+
+def test_every_interim_answer_is_skipped_and_the_connection_stays_in_step(
+    peer: Callable[..., Peer],
+) -> None:
+    """102 and 103 are interim answers like 100. Taken as the final answer (http.client
+    skips 100 alone), a 102 left the real answer on the kept connection, and the next
+    request read it as its own: one payment's 201 recorded for another (a review found it)."""
+    first = (
+        b"HTTP/1.1 102 Processing\r\n\r\n"
+        b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+        b'HTTP/1.1 201 Created\r\nContent-Length: 8\r\n\r\n{"id":1}'
+    )
+    second = b'HTTP/1.1 402 Payment Required\r\nContent-Length: 8\r\n\r\n{"id":2}'
+    answers = [first, second]
+
+    p = serve(peer, answering(answers))
+    conn = connect(p)
+    one = post(conn)
+    assert (one.status_code, one.content) == (201, b'{"id":1}')
+    two = post(conn)
+    assert (two.status_code, two.content) == (402, b'{"id":2}')
+    assert p.accepted == 1  # the same kept connection, each answer read by its own request
 
 
 def test_no_answer_within_the_read_timeout_is_a_read_timeout(
