@@ -77,7 +77,7 @@ from typing import Any
 import redis
 
 from payment_worker import lua
-from payment_worker.gateway.pacing_lease import Lease, next_free, per_second, spent, spent_by
+from payment_worker.gateway.pacing_lease import Lease, next_free, spent, spent_by
 from payment_worker.ops.metrics import GATEWAY_PACING_WAIT_SECONDS
 from payment_worker.redis_keys import RedisKeys
 
@@ -256,16 +256,19 @@ class Pacer:
         # never after the window as the server knows it (counted from the request)
         start = got + delay_s
         granted = int(granted)
-        lease = Lease(interval, start, sent + delay_s + granted * interval, granted)
+        # its last second of uses still counts (a new rate's floor of them: Lease)
+        lease = Lease(
+            interval,
+            start,
+            sent + delay_s + granted * interval,
+            granted,
+            last_use=float("-inf") if last is None else last.last_use,
+            recent=deque() if last is None else last.recent,
+        )
         if last is not None:
             # a slot of the last lease used late (a slow request) must not bunch up with the
-            # first of this one: this process's own requests stay an interval apart, and
-            # its last second of uses still counts (a new rate's floor of them)
+            # first of this one: this process's own requests stay an interval apart
             lease.next_at = max(start, last.next_at)
-            lease.last_use = last.last_use
-            most = per_second(interval)
-            same = last.recent.maxlen == most
-            lease.recent = last.recent if same else deque(last.recent, maxlen=most)
         lease.tat = _as_bytes(answer[2]) if len(answer) > 2 else None
         with self._lock:
             if len(self._leases) + len(self._closed) >= self._sweep_at:

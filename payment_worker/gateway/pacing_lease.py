@@ -45,8 +45,10 @@ class Lease:
     recent: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
-        if self.recent.maxlen is None:
-            self.recent = deque(self.recent, maxlen=per_second(self.interval))
+        # uses carried from a lease of another rate: that rate's floor of them, the latest
+        most = per_second(self.interval)
+        if self.recent.maxlen != most:
+            self.recent = deque(self.recent, maxlen=most)
 
     def due(self, at: float) -> float:
         """``at``, or later when a use then would put more than one second's worth of uses
